@@ -1,0 +1,201 @@
+// XLA FFI handler for jax_marlin_matmul on the CPU: the same buffers and the
+// same packed layout as the CUDA kernel, so everything but GPU speed can be
+// tested without a GPU. Each 64-column slice of the weight is dequantized from
+// the Marlin layout into an fp32 panel, multiplied in fp32 and rounded to fp16
+// once. Slices are spread over threads; every output element is computed by
+// one thread in a fixed order, so results are deterministic.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "ffi_common.h"
+
+namespace jax_marlin {
+namespace {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    const float magnitude = std::ldexp(float(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  const uint32_t bits = exponent == 31 ? sign | 0x7f800000u | (mantissa << 13)
+                                       : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as the GPU's __float2half does.
+uint16_t float_to_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = (bits >> 16) & 0x8000u;
+  uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude >= 0x7f800000u)  // inf or nan
+    return sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u);
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds past 65504
+  if (magnitude < 0x38800000u) {  // below 2^-14: fp16 subnormal (or zero)
+    float scaled;
+    std::memcpy(&scaled, &magnitude, sizeof scaled);
+    return sign | uint16_t(std::nearbyint(scaled * 16777216.0f));  // * 2^24
+  }
+  magnitude += 0xfffu + ((magnitude >> 13) & 1u);
+  return sign | uint16_t((magnitude - (112u << 23)) >> 13);
+}
+
+// Marlin's scale permutations (jax_marlin/packing.py): the stored scale at
+// position t of each chunk is the logical scale perm[t] of that chunk.
+// Grouped scales use chunks of 64 columns, per-column scales chunks of 32.
+struct ScalePerms {
+  int grouped[64];
+  int per_column[32];
+  ScalePerms() {
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 8; ++j) grouped[8 * i + j] = i + 8 * j;
+    const int offsets[8] = {0, 1, 8, 9, 16, 17, 24, 25};
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 8; ++j) per_column[8 * i + j] = 2 * i + offsets[j];
+  }
+};
+
+// Where nibble p of packed word `lane` (0..31) of a 16x16 tile lands in the
+// tile: the mma.m16n8k16 B-fragment of that lane, with Marlin's
+// [0, 2, 4, 6, 1, 3, 5, 7] interleave so that one shift-and-mask yields a
+// half2 pair for the tensor cores.
+inline int tile_row(int lane, int p) { return 2 * (lane % 4) + (p >= 4) + 8 * (p & 1); }
+inline int tile_col(int lane, int p) { return lane / 4 + 8 * ((p >> 1) & 1); }
+
+constexpr int kSlice = 64;  // columns per work item: one 1024-nibble chunk per tile row
+constexpr int kRows = 4, kCols = 16;  // register block of the multiply
+typedef float Vec8 __attribute__((vector_size(32)));
+
+struct Problem {
+  const float *x;        // [m, k]
+  const int32_t *qweight;  // [k / 16, 2 n]
+  const float *scales;   // [groups, n], logical (unpermuted) order
+  uint16_t *y;           // [m, n]
+  int64_t m, n, k, group_size;
+};
+
+// On x86-64 also compile an AVX2+FMA version of the hot loop, picked at load
+// time when the CPU has it; the baseline build targets plain SSE2.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define JAX_MARLIN_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define JAX_MARLIN_CPU_CLONES
+#endif
+
+// y[:, 64 c : 64 c + 64] for one slice c.
+JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vector<float> &panel) {
+  const int64_t k = p.k, n = p.n;
+  const bool grouped = p.group_size != -1;
+  panel.resize(static_cast<size_t>(k) * kSlice);
+  // Dequantize into four contiguous k x 16 strips: one row of qweight holds
+  // 16 k-rows of the weight; its 128 words from 128 c on hold the four 16x16
+  // tiles of this slice.
+  for (int64_t tk = 0; tk < k / 16; ++tk) {
+    const int32_t *words = p.qweight + tk * 2 * n + 128 * c;
+    for (int lane = 0; lane < 32; ++lane) {
+      for (int tile = 0; tile < 4; ++tile) {
+        const uint32_t word = static_cast<uint32_t>(words[4 * lane + tile]);
+        for (int nib = 0; nib < 8; ++nib) {
+          const int64_t row = 16 * tk + tile_row(lane, nib);
+          const int col = 16 * tile + tile_col(lane, nib);
+          float w = float(int((word >> (4 * nib)) & 0xfu) - 8);
+          if (grouped) w *= p.scales[(row / p.group_size) * n + kSlice * c + col];
+          panel[(col / kCols) * k * kCols + row * kCols + col % kCols] = w;
+        }
+      }
+    }
+  }
+  // Multiply: a 4-row x 16-column block of y at a time, whose accumulators
+  // stay in registers while one contiguous 16-column strip of the panel
+  // (k x 16 floats, L2-resident) streams by.
+  for (int j0 = 0; j0 < kSlice; j0 += kCols) {
+    const float *strip = &panel[(j0 / kCols) * k * kCols];
+    for (int64_t i = 0; i < p.m; i += kRows) {
+      const int rows = int(std::min<int64_t>(kRows, p.m - i));
+      const float *xr[kRows];
+      for (int r = 0; r < kRows; ++r) xr[r] = p.x + (i + std::min(r, rows - 1)) * k;
+      // Accumulators as explicit 8-wide vectors (GCC/Clang vector extension):
+      // plain float arrays were kept on the stack by GCC, ~10x slower.
+      Vec8 acc[kRows][kCols / 8] = {};
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const float *w = strip + kk * kCols;
+        Vec8 wv[kCols / 8];
+        std::memcpy(wv, w, sizeof wv);
+        for (int r = 0; r < kRows; ++r) {
+          const float a = xr[r][kk];
+          for (int h = 0; h < kCols / 8; ++h) acc[r][h] += a * wv[h];
+        }
+      }
+      float block[kRows][kCols];
+      std::memcpy(block, acc, sizeof block);
+      for (int r = 0; r < rows; ++r) {
+        uint16_t *out = p.y + (i + r) * n + kSlice * c + j0;
+        for (int j = 0; j < kCols; ++j) {
+          float v = block[r][j];
+          if (!grouped) v *= p.scales[kSlice * c + j0 + j];
+          out[j] = float_to_half(v);
+        }
+      }
+    }
+  }
+}
+
+ffi::Error MatmulCpu(ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::S32, 2> qweight,
+                     ffi::Buffer<ffi::F16, 2> scales, ffi::ResultBuffer<ffi::F16> y,
+                     ffi::ResultBuffer<ffi::S32, 1> workspace, int64_t group_size,
+                     bool poison_output) {
+  auto dims = check_matmul(x, qweight, scales, *y, *workspace, group_size);
+  if (dims.has_error()) return dims.error();
+  const int64_t m = dims->m, n = dims->n, k = dims->k;
+  uint16_t *out = y->typed_data();
+  if (poison_output) std::fill(out, out + m * n, uint16_t(0x7e00u));  // fp16 NaN
+  if (m == 0) return ffi::Error::Success();
+
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  const uint16_t *xh = x.typed_data();
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = half_to_float(xh[i]);
+
+  static const ScalePerms perms;
+  const int64_t groups = scales.dimensions()[0];
+  const int chunk = group_size == -1 ? 32 : 64;
+  const int *perm = group_size == -1 ? perms.per_column : perms.grouped;
+  std::vector<float> sf(static_cast<size_t>(groups * n));
+  const uint16_t *sh = scales.typed_data();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t base = 0; base < n; base += chunk)
+      for (int t = 0; t < chunk; ++t)
+        sf[g * n + base + perm[t]] = half_to_float(sh[g * n + base + t]);
+
+  const Problem p{xf.data(), qweight.typed_data(), sf.data(), out, m, n, k, group_size};
+  const int64_t slices = n / kSlice;
+  // Threads only when there is work for them: about 2^22 multiply-adds each.
+  const int64_t useful = std::max<int64_t>(1, m * n * k >> 22);
+  const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const int workers = int(std::min({hw, slices, useful}));
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    std::vector<float> panel;
+    for (int64_t c; (c = next.fetch_add(1)) < slices;) compute_slice(p, c, panel);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < workers; ++t) pool.emplace_back(work);
+  work();
+  for (auto &t : pool) t.join();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_marlin
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCpu, jax_marlin::MatmulCpu,
+                              jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()));

@@ -1,0 +1,39 @@
+// XLA FFI handler for jax_marlin_matmul on CUDA: read the buffers, re-check
+// them, launch the Marlin kernel on XLA's stream.
+#include <cuda_runtime_api.h>
+
+#include "ffi_common.h"
+#include "marlin_kernel.h"
+
+namespace jax_marlin {
+namespace {
+
+ffi::Error MatmulCuda(cudaStream_t stream, ffi::Buffer<ffi::F16> x,
+                      ffi::Buffer<ffi::S32, 2> qweight, ffi::Buffer<ffi::F16, 2> scales,
+                      ffi::ResultBuffer<ffi::F16> y, ffi::ResultBuffer<ffi::S32, 1> workspace,
+                      int64_t group_size, bool poison_output) {
+  auto dims = check_matmul(x, qweight, scales, *y, *workspace, group_size);
+  if (dims.has_error()) return dims.error();
+  if (poison_output) {
+    // 0xFFFF is a NaN in fp16.
+    if (cudaError_t error = cudaMemsetAsync(y->untyped_data(), 0xFF, y->size_bytes(), stream))
+      return ffi::Error::Internal(std::string("jax_marlin: cudaMemsetAsync failed: ") +
+                                  cudaGetErrorString(error));
+  }
+  std::string why = marlin::matmul(x.untyped_data(), qweight.untyped_data(),
+                                   scales.untyped_data(), y->untyped_data(), dims->m, dims->n,
+                                   dims->k, group_size, workspace->typed_data(), stream);
+  if (!why.empty()) return ffi::Error::Internal(why);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_marlin
+
+// The handler only enqueues a memset and kernel launches on the given stream
+// and allocates nothing, so XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMarlinMatmulCuda, jax_marlin::MatmulCuda,
+    jax_marlin::bind_matmul(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,72 @@
+// Which problems the Marlin kernel can run, in plain C++ (no CUDA, no XLA), so
+// that the CUDA launcher, both FFI handlers and their tests agree on one
+// contract. jax_marlin/shapes.py states the same rules at trace time.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace marlin {
+
+constexpr int kTile = 16;        // the kernel works on 16x16 weight tiles
+constexpr int kMinThreadN = 64;  // narrowest n tile
+constexpr int kMinThreadK = 64;  // shallowest k tile
+constexpr int kMaxPar = 16;      // batch blocks of 64 rows run in one launch
+
+// int32 lock counters the kernel needs for an output of width n: one per
+// (64-column slice, parallel batch block).
+inline int64_t workspace_size(int64_t n) { return n / kMinThreadN * kMaxPar; }
+
+struct ThreadConfig {
+  int thread_k;
+  int thread_n;
+  int threads;
+};
+
+// The seed's tile tables, ordered by priority. The launcher instantiates every
+// entry (for thread_m_blocks 1..4 and both scale layouts) and nothing else
+// reaches the kernel: there are no user-supplied thread configurations.
+constexpr ThreadConfig kSmallBatchConfigs[] = {
+    {128, 128, 256},  // default
+    {128, 64, 128},   // reduce n 2x, same k
+    {64, 256, 256},   // reduce k 2x, increase n 2x
+    {64, 128, 128},   // reduce k 2x, same n
+};
+constexpr ThreadConfig kLargeBatchConfigs[] = {
+    {64, 256, 256},   // default
+    {128, 128, 256},  // reduce n 2x, increase k 2x
+    {64, 128, 128},   // reduce n 2x, same k
+    {128, 64, 128},   // reduce n 4x, increase k 2x
+};
+
+// The first tile in the table for this batch size that divides (k, n), or null.
+inline const ThreadConfig *choose_config(int64_t m, int64_t n, int64_t k) {
+  const ThreadConfig *table = m <= 16 ? kSmallBatchConfigs : kLargeBatchConfigs;
+  for (int i = 0; i < 4; ++i)
+    if (k % table[i].thread_k == 0 && n % table[i].thread_n == 0) return &table[i];
+  return nullptr;
+}
+
+// Empty if the kernel can run [m, k] x [k, n] with this group size, otherwise
+// why not.
+inline std::string check_problem(int64_t m, int64_t n, int64_t k, int64_t group_size) {
+  auto s = [](int64_t v) { return std::to_string(v); };
+  if (group_size != -1 && group_size != 128)
+    return "group_size must be -1 or 128, got " + s(group_size);
+  if (k <= 0 || n <= 0 || m < 0)
+    return "sizes must be positive (m = " + s(m) + ", k = " + s(k) + ", n = " + s(n) + ")";
+  if (k % kMinThreadK != 0) return "k = " + s(k) + " must be a multiple of 64";
+  if (n % kMinThreadN != 0) return "n = " + s(n) + " must be a multiple of 64";
+  if (group_size != -1 && k % group_size != 0)
+    return "k = " + s(k) + " must be a multiple of group_size = " + s(group_size);
+  if (!choose_config(m, n, k))
+    return "no kernel tile fits k = " + s(k) + ", n = " + s(n) +
+           ": k or n must be a multiple of 128";
+  // Offsets inside the kernel are 32-bit int4 (8 x fp16) indices.
+  const int64_t limit = int64_t(1) << 31;
+  if (k * n / 8 >= limit || m * k / 8 >= limit || m * n / 8 >= limit)
+    return "problem too large for the kernel's 32-bit offsets";
+  return {};
+}
+
+}  // namespace marlin

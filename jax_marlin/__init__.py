@@ -1,0 +1,24 @@
+"""jax-marlin: the Marlin FP16xINT4 GEMM for JAX.
+
+    import jax_marlin as jm
+    w = jm.quantize(weight, group_size=128)   # weight [k, n] float
+    y = jm.matmul(x, w)                       # x [..., k] float16 -> [..., n] float16
+"""
+
+from jax_marlin import reference
+from jax_marlin._ffi import HAS_CUDA
+from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
+from jax_marlin.primitive import matmul
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HAS_CUDA",
+    "MarlinWeight",
+    "dequantize",
+    "matmul",
+    "pack",
+    "quantize",
+    "reference",
+    "unpack",
+]
