@@ -82,11 +82,11 @@ def _cuda_lowering(ctx, *args, **params):
 def _batch(args, dims, **params):
     x, qweight, scales = args
     x_dim, q_dim, s_dim = dims
-    if q_dim is batching.not_mapped and s_dim is batching.not_mapped:
+    if q_dim is None and s_dim is None:
         # Batching x only adds a leading dimension, which the kernel folds into m.
         return marlin_matmul_p.bind(jnp.moveaxis(x, x_dim, 0), qweight, scales, **params), 0
     # A batch of weights: one kernel call per weight.
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
     y = jax.lax.map(lambda a: marlin_matmul_p.bind(*a, **params), tuple(args))
     return y, 0

@@ -1,0 +1,71 @@
+"""Shared test helpers: random data, float64 references, error norms, GPU detection."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+import jax_marlin as jm
+
+#: Unit roundoff of float16: rounding one value to fp16 changes it by at most
+#: this much relative to itself, so an fp16 output of an otherwise exact
+#: product has ||y - ref|| / ||ref|| <= FP16_U.
+FP16_U = 2.0**-11
+
+
+def has_gpu() -> bool:
+    try:
+        return jm.HAS_CUDA and len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    reason = "needs a CUDA GPU and jax_marlin built with CUDA"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request):
+    """Tests not marked ``gpu`` exercise the CPU handler, also on a GPU machine."""
+    if "gpu" in request.keywords:
+        yield
+    else:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+
+
+@pytest.fixture
+def rng(request):
+    # A fresh, test-specific stream: every test sees its own random data.
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)
+
+
+def random_weight(rng, k, n):
+    """A float32 [k, n] weight with per-column scale spread, never zero."""
+    return (rng.standard_normal((k, n)) * rng.uniform(0.5, 2.0, size=(1, n))).astype(np.float32)
+
+
+def random_x(rng, *shape):
+    """float16 activations, never zero."""
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def float64_reference(x, w) -> np.ndarray:
+    """x @ dequantize(w) in float64 from the exact dequantized weight."""
+    wd = np.asarray(jm.dequantize(w, jax.numpy.float32), np.float64)
+    return np.asarray(x, np.float64) @ wd
+
+
+def rel_err(y, ref) -> float:
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all(), "output has NaN/inf (an unwritten or overflowed element)"
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
