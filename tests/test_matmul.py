@@ -24,8 +24,9 @@ LAYERS = [(128, 128, 128), (256, 192, -1), (1024, 512, 128), (512, 320, 128), (1
 @pytest.fixture(scope="module")
 def weights():
     rng = np.random.default_rng(1234)
-    return {layer: jm.quantize(random_weight(rng, layer[0], layer[1]), group_size=layer[2])
-            for layer in LAYERS}
+    with jax.default_device(jax.devices("cpu")[0]):
+        return {layer: jm.quantize(random_weight(rng, layer[0], layer[1]), group_size=layer[2])
+                for layer in LAYERS}
 
 
 @pytest.mark.parametrize("m", MS)
