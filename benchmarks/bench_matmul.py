@@ -71,9 +71,13 @@ def timeit(fn, *args) -> tuple[float, float]:
 
 
 def copy_tbps() -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (TB/s)."""
-    a = jnp.ones((2**30,), jnp.float16)  # 2 GiB
-    copy = jax.jit(lambda a: [jnp.copy(a) for _ in range(ROTATE)])
+    """Device-to-device copy bandwidth, bytes read + written per second (TB/s).
+
+    An elementwise pass over 2 GiB (read once, written once), ROTATE distinct
+    outputs per call so XLA cannot merge them.
+    """
+    a = jnp.ones((2**30,), jnp.float16)
+    copy = jax.jit(lambda a: [a + jnp.float16(i) for i in range(ROTATE)])
     us, _ = timeit(copy, a)
     return 2 * a.nbytes / (us * 1e-6) / 1e12
 
@@ -114,7 +118,10 @@ def _int4(x, ws):
     return out
 
 
-def bench_layer(name: str, ms: list[int], records: list[dict], log) -> None:
+IMPLS = ["jax_marlin", "xla_fp16", "xla_int4"]
+
+
+def bench_layer(name: str, ms: list[int], impls: list[str], records: list[dict], log) -> None:
     k, n = LAYERS[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()))
     for m in ms:
@@ -126,6 +133,8 @@ def bench_layer(name: str, ms: list[int], records: list[dict], log) -> None:
             ("xla_fp16", None, _fp16, sets["fp16"]),
             ("xla_int4", 128, _int4, sets["int4"]),
         ]:
+            if impl not in impls:
+                continue
             median, spread = timeit(fn, x, ws)
             rec = dict(row, impl=impl, group_size=group_size, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
@@ -147,7 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 layers, m in {1, 16, 64}")
     parser.add_argument("--layers", nargs="*", help="subset of layers")
     parser.add_argument("--ms", nargs="*", type=int, help="subset of m")
-    parser.add_argument("--out", help="results JSON (default: print only)")
+    parser.add_argument("--impls", nargs="*", choices=IMPLS, default=IMPLS)
+    parser.add_argument("--out", help="results JSON, rewritten after every layer")
     args = parser.parse_args(argv)
 
     if jax.default_backend() != "gpu" or not jm.HAS_CUDA:
@@ -169,11 +179,10 @@ def main(argv=None) -> int:
               f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
 
     for name in layers:
-        bench_layer(name, ms, result["records"], log)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", args.out)
+        bench_layer(name, ms, args.impls, result["records"], log)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     return 0
 
 

@@ -31,10 +31,15 @@
 #include <mutex>
 #include <string>
 
-// Build switch kept only to re-measure the effect of the L2 evict-first hint on
-// weight loads (benchmarks/NOTES.md); 1 is the shipped setting.
+// L2 evict-first hint on weight loads (Marlin's cp.async ... L2::cache_hint).
+// Off by default: ptxas 13.0 miscompiles it in 6 of the 32 instantiations
+// (their SASS reads uniform registers it never writes, and the H200 stops with
+// CUDA_ERROR_ILLEGAL_INSTRUCTION at m = 1, k x n = 8192 x 10240; Triton turned
+// off fractional L2 policies on cp.async for the same ptxas bug). Build with
+// -DJAX_MARLIN_B_EVICT_FIRST=1 only with a ptxas known to compile it
+// correctly; benchmarks/NOTES.md has its measured effect where it did.
 #ifndef JAX_MARLIN_B_EVICT_FIRST
-#define JAX_MARLIN_B_EVICT_FIRST 1
+#define JAX_MARLIN_B_EVICT_FIRST 0
 #endif
 
 namespace marlin {
@@ -129,8 +134,10 @@ __device__ inline void cp_async4_pred(void *smem_ptr, const void *glob_ptr,
 // may be evicted immediately; used for quantized weights B, which are only
 // accessed precisely once and should thus not pollute the L2 cache which we
 // need for inputs A and outputs C. (The seed this port starts from had dropped
-// the hint; `policy` comes from `make_evict_first_policy`, created once per
+// the hint; see JAX_MARLIN_B_EVICT_FIRST above for why it is still off by
+// default. `policy` comes from `make_evict_first_policy`, created once per
 // thread rather than once per copy.)
+#if JAX_MARLIN_B_EVICT_FIRST
 __device__ inline uint64_t make_evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n"
@@ -143,14 +150,21 @@ __device__ inline void cp_async4_evict_first(void *smem_ptr,
                                              uint64_t policy) {
   const int BYTES = 16;
   uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-#if JAX_MARLIN_B_EVICT_FIRST
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], %2, %3;\n"
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES), "l"(policy));
+}
 #else
+__device__ inline uint64_t make_evict_first_policy() { return 0; }
+
+__device__ inline void cp_async4_evict_first(void *smem_ptr,
+                                             const void *glob_ptr,
+                                             uint64_t) {
+  const int BYTES = 16;
+  uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
   asm volatile("cp.async.cg.shared.global [%0], [%1], %2;\n"
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES));
-#endif
 }
+#endif
 
 // Plain asynchronous global->shared copy; used for the scales.
 __device__ inline void cp_async4(void *smem_ptr, const void *glob_ptr) {
