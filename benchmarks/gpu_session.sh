@@ -76,7 +76,7 @@ fi
 
 if has sanitize; then
   step compute-sanitizer memcheck on the Marlin kernels
-  timeout 240 compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
+  timeout 150 compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
     python3 benchmarks/sanitize_cases.py > "$OUT/sanitize.log" 2>&1
   echo "exit $?"; grep -c True "$OUT/sanitize.log"; tail -3 "$OUT/sanitize.log"
 fi
