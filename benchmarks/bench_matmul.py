@@ -73,13 +73,14 @@ def timeit(fn, *args) -> tuple[float, float]:
 def copy_tbps() -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (TB/s).
 
-    An elementwise pass over 2 GiB (read once, written once), ROTATE distinct
-    outputs per call so XLA cannot merge them.
+    ROTATE distinct 1 GiB arrays, each read once and written once by an
+    elementwise pass (distinct inputs, so XLA cannot fuse the passes into one
+    read feeding several writes).
     """
-    a = jnp.ones((2**30,), jnp.float16)
-    copy = jax.jit(lambda a: [a + jnp.float16(i) for i in range(ROTATE)])
-    us, _ = timeit(copy, a)
-    return 2 * a.nbytes / (us * 1e-6) / 1e12
+    arrays = [jnp.full((2**29,), i, jnp.float16) for i in range(ROTATE)]
+    copy = jax.jit(lambda arrays: [a + jnp.float16(1) for a in arrays])
+    us, _ = timeit(copy, arrays)
+    return 2 * arrays[0].nbytes / (us * 1e-6) / 1e12
 
 
 def make_weights(k: int, n: int, seed: int):
