@@ -3,7 +3,8 @@
 # GPU tests, check the kernel with compute-sanitizer, and benchmark.
 #
 #   benchmarks/gpu_session.sh [stage ...]   stages, run in this order: build tests graphs
-#                                           quick full evict sanitize (default: build tests quick)
+#                                           quick bench flax full evict sanitize
+#                                           (default: build tests quick; bench takes $BENCH_ARGS)
 #
 # Logs and results go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
@@ -56,6 +57,17 @@ if has quick; then
   python3 benchmarks/bench_matmul.py --quick --out "$OUT/quick.json" 2>&1 | tee "$OUT/quick.log" | tail -40
 fi
 
+if has bench; then
+  step "benchmark: $BENCH_ARGS"
+  python3 benchmarks/bench_matmul.py $BENCH_ARGS --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  tail -3 "$OUT/bench.log"
+fi
+
+if has flax; then
+  step "examples/flax_transformer.py"
+  python3 examples/flax_transformer.py 2>&1 | tee "$OUT/flax_example.log" | tail -15
+fi
+
 if has full; then
   step benchmark full sweep
   python3 benchmarks/bench_matmul.py --out "$OUT/full.json" > "$OUT/full.log" 2>&1
@@ -76,7 +88,7 @@ fi
 
 if has sanitize; then
   step compute-sanitizer memcheck on the Marlin kernels
-  timeout 150 compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
+  timeout 120 compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
     python3 benchmarks/sanitize_cases.py > "$OUT/sanitize.log" 2>&1
   echo "exit $?"; grep -c True "$OUT/sanitize.log"; tail -3 "$OUT/sanitize.log"
 fi
