@@ -1,0 +1,192 @@
+"""Flax Linen: ``MarlinDense``, a 4-bit ``nn.Dense``, and converters for ``nn.Dense`` params.
+
+Variables of a ``MarlinDense`` named ``"proj"``::
+
+    {"params": {"proj": {"bias": [n]}},                  # trainable floats only
+     "marlin": {"proj": {"weight": MarlinWeight(k, n)}}}  # packed, not trainable
+
+The packed weight lives in its own collection, ``"marlin"``, so an optimizer
+over ``variables["params"]`` never sees integers, and ``apply`` needs
+``{"params": ..., "marlin": ...}``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax_marlin import shapes
+from jax_marlin.packing import MarlinWeight, quantize
+from jax_marlin.primitive import matmul
+
+__all__ = ["MARLIN_COLLECTION", "MarlinDense", "dense_to_marlin", "params_to_marlin"]
+
+#: The collection holding every ``MarlinDense``'s packed ``weight``.
+MARLIN_COLLECTION = "marlin"
+
+Path = tuple[str, ...]
+
+
+class MarlinDense(nn.Module):
+    """``y [..., features] = x [..., k] @ W + bias`` with a 4-bit ``W``, like ``nn.Dense``.
+
+    At ``init`` the float kernel ``[k, features]`` is drawn with ``kernel_init``
+    from the ``"params"`` rng (the same draw as ``nn.Dense``) and quantized;
+    the ``MarlinWeight`` is stored as ``variables["marlin"][...]["weight"]``.
+
+    Attributes:
+      features: n, a multiple of 64; ``k = x.shape[-1]`` a multiple of 64 (and
+        of ``group_size`` for 128); one of k and n a multiple of 128.
+      use_bias: add a bias ``[features]``, a ``"params"`` variable in ``param_dtype``.
+      dtype: dtype of the result; ``None`` returns the dtype of ``x``. The matmul
+        itself always runs in float16 (the kernel's only activation dtype).
+      param_dtype: dtype the float kernel is drawn in, and of the bias.
+      group_size: 128 (one float16 scale per 128 rows of k) or -1 (one per column).
+      kernel_init: initializer for the float kernel.
+      bias_init: initializer for the bias.
+
+    Gradients with respect to ``x`` are not available yet (``jm.matmul`` has
+    no differentiation rule); the bias can be differentiated as long as no
+    differentiated value flows into ``x``.
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    group_size: int = 128
+    kernel_init: Callable[..., Any] = nn.initializers.lecun_normal()  # as nn.Dense
+    bias_init: Callable[..., Any] = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs [..., k]`` float -> ``[..., features]`` in ``dtype``."""
+        x = jnp.asarray(inputs)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"inputs.dtype is {x.dtype}; MarlinDense takes floating-point inputs")
+        k = x.shape[-1]
+        shapes.check_layer(k, self.features, self.group_size)
+
+        def init_weight():
+            kernel = self.kernel_init(self.make_rng("params"), (k, self.features),
+                                      self.param_dtype)
+            return quantize(kernel, group_size=self.group_size)
+
+        weight = self.variable(MARLIN_COLLECTION, "weight", init_weight).value
+        if not isinstance(weight, MarlinWeight):
+            raise TypeError(f"variables['{MARLIN_COLLECTION}'] of {self.name} hold a "
+                            f"{type(weight).__name__} as 'weight', expected a MarlinWeight")
+        if weight.n != self.features:
+            raise ValueError(f"the MarlinWeight has n = {weight.n} columns, but features = "
+                             f"{self.features}")
+        out_dtype = x.dtype if self.dtype is None else jnp.dtype(self.dtype)
+        y = matmul(x.astype(jnp.float16), weight)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            # Add in the wider of the two dtypes so the result is rounded once.
+            acc = jnp.promote_types(out_dtype, bias.dtype)
+            y = y.astype(acc) + bias.astype(acc)
+        return y.astype(out_dtype)
+
+
+def _is_dense(tree: Any) -> bool:
+    return (isinstance(tree, Mapping) and "kernel" in tree and set(tree) <= {"kernel", "bias"}
+            and getattr(tree["kernel"], "ndim", None) == 2)
+
+
+def dense_to_marlin(params: Mapping[str, Any], *, group_size: int = 128) -> dict[str, Any]:
+    """Converts one ``nn.Dense``'s params to a ``MarlinDense``'s variables.
+
+    Args:
+      params: ``{"kernel": [k, n], "bias": [n]}`` (``"bias"`` optional).
+      group_size: 128 or -1.
+
+    Returns:
+      ``{"params": {"bias": [n]}, "marlin": {"weight": MarlinWeight}}``
+      (``"params"`` is ``{}`` without a bias). Traceable.
+    """
+    if not _is_dense(params):
+        keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+        raise ValueError(f"params must be an nn.Dense's {{'kernel': [k, n], 'bias': [n]}}, "
+                         f"got {keys}")
+    out: dict[str, Any] = {"params": {}, MARLIN_COLLECTION: {
+        "weight": quantize(params["kernel"], group_size=group_size)}}
+    if "bias" in params:
+        out["params"]["bias"] = params["bias"]
+    return out
+
+
+def params_to_marlin(
+    params: Mapping[str, Any],
+    *,
+    group_size: int = 128,
+    filter: Callable[[Path, Mapping[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
+    """Converts every ``nn.Dense`` in a nested ``params`` tree for ``MarlinDense``.
+
+    A Dense is a dict holding a 2-D ``"kernel"`` and at most a ``"bias"``.
+    Selected ones (``filter(path, dense_params)``, all if ``None``) move their
+    kernel, quantized, to ``"marlin"``; everything else stays in ``"params"``
+    unchanged. The model applying the result must have a ``MarlinDense`` at
+    each converted path: give layers explicit names, since auto-names differ
+    (``Dense_0`` vs ``MarlinDense_0``).
+
+    Args:
+      params: ``variables["params"]`` of a float model.
+      group_size: 128 or -1.
+      filter: picks layers by their path (tuple of names) and params.
+
+    Returns:
+      ``{"params": ..., "marlin": ...}``, both trees nested like ``params``.
+
+    Raises ``ValueError`` naming every selected layer whose shape the kernel
+    cannot take (exclude them with ``filter``): unlike nnx, the linen module
+    code fixes which layers are ``MarlinDense``, so a layer cannot quietly stay
+    float. Traceable: ``jax.eval_shape(params_to_marlin, params)`` allocates nothing.
+    """
+    if group_size not in shapes.GROUP_SIZES:
+        raise ValueError(f"group_size = {group_size} is not supported; expected one of "
+                         f"{shapes.GROUP_SIZES}")
+    selected: set[Path] = set()
+    unfit: list[str] = []
+
+    def find(tree, path):
+        if _is_dense(tree):
+            if filter is None or filter(path, tree):
+                k, n = tree["kernel"].shape
+                try:
+                    shapes.check_layer(k, n, group_size)
+                except ValueError as e:
+                    unfit.append(f"  {'/'.join(path)}: kernel [{k}, {n}]: {e}")
+                selected.add(path)
+        elif isinstance(tree, Mapping):
+            for key, child in tree.items():
+                find(child, (*path, key))
+
+    find(params, ())
+    if unfit:
+        raise ValueError("params_to_marlin: the Marlin kernel cannot take these layers "
+                         "(leave them out with filter):\n" + "\n".join(unfit))
+    if not selected:
+        warnings.warn("params_to_marlin found no nn.Dense params to convert", stacklevel=2)
+
+    def convert(tree, path):
+        if path in selected:
+            return dense_to_marlin(tree, group_size=group_size)
+        out: dict[str, Any] = {"params": {}, MARLIN_COLLECTION: {}}
+        if not isinstance(tree, Mapping):
+            out["params"] = tree
+            return out
+        for key, child in tree.items():
+            sub = convert(child, (*path, key))
+            out["params"][key] = sub["params"]
+            if sub[MARLIN_COLLECTION]:
+                out[MARLIN_COLLECTION][key] = sub[MARLIN_COLLECTION]
+        return out
+
+    return convert(params, ())

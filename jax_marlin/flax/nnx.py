@@ -1,0 +1,396 @@
+"""Flax NNX: ``MarlinLinear``, a 4-bit ``nnx.Linear``, and ``quantize_model``.
+
+    from jax_marlin.flax import MarlinLinear, QuantizedWeight, quantize_model
+
+    layer = MarlinLinear(4096, 11008, rngs=nnx.Rngs(0))  # y [..., 11008] = x [..., 4096] @ W
+    model = quantize_model(model)  # every nnx.Linear the kernel can take -> MarlinLinear
+
+The packed weight sits in a :class:`QuantizedWeight` variable, not an
+``nnx.Param``: ``nnx.grad`` and ``nnx.Optimizer`` (which take ``nnx.Param``)
+leave it alone, and ``nnx.split(model, QuantizedWeight, ...)`` picks it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, MutableMapping, MutableSequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_marlin import shapes
+from jax_marlin.packing import MarlinWeight, quantize
+from jax_marlin.primitive import matmul
+
+__all__ = [
+    "MarlinLinear",
+    "QuantizeSummary",
+    "QuantizedLayer",
+    "QuantizedWeight",
+    "SkippedLayer",
+    "quantize_model",
+]
+
+_log = logging.getLogger(__name__)
+
+# The same defaults as nnx.Linear, so a MarlinLinear and an nnx.Linear built
+# from the same Rngs start from the same float kernel.
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+#: Below this many layers ``quantize_model(progress=None)`` shows no progress bar.
+PROGRESS_MIN_LAYERS = 8
+
+Path = tuple[Any, ...]
+
+
+class QuantizedWeight(nnx.Variable):
+    """An ``nnx.Variable`` holding a :class:`~jax_marlin.MarlinWeight`.
+
+    Its value is the whole ``MarlinWeight`` pytree (``qweight`` int32
+    ``[k // 16, 2 n]``, ``scales`` float16 ``[groups, n]``; ``k``, ``n``,
+    ``group_size`` static), so ``nnx.state``, ``nnx.update``, ``nnx.split`` /
+    ``nnx.merge`` and Orbax see two arrays per layer. Not an ``nnx.Param``: the
+    packed integers are not trainable.
+    """
+
+
+class MarlinLinear(nnx.Module):
+    """``y [..., out_features] = x [..., in_features] @ W + bias`` with a 4-bit ``W``.
+
+    A drop-in for ``nnx.Linear`` at inference: the kernel is drawn in float
+    with ``kernel_init`` (from the same ``rngs.params()`` draw as
+    ``nnx.Linear``) and quantized once, here, with :func:`jax_marlin.quantize`.
+
+    Args:
+      in_features: k, a multiple of 64 (and of ``group_size`` for 128).
+      out_features: n, a multiple of 64; one of k and n a multiple of 128.
+      use_bias: add a bias ``[out_features]``, an ``nnx.Param`` in ``param_dtype``.
+      dtype: dtype of the result; ``None`` returns the dtype of ``x``. The matmul
+        itself always runs in float16 (the kernel's only activation dtype).
+      param_dtype: dtype ``kernel_init`` draws the float kernel in, and of the bias.
+      group_size: 128 (one float16 scale per 128 rows of k) or -1 (one per column).
+      kernel_init: initializer for the float ``[in_features, out_features]`` kernel.
+      bias_init: initializer for the bias.
+      rngs: the ``params`` stream draws the kernel, then the bias.
+
+    Attributes:
+      weight: :class:`QuantizedWeight` holding the :class:`~jax_marlin.MarlinWeight`.
+      bias: ``nnx.Param [out_features]``, or ``None`` without bias.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        group_size: int = 128,
+        kernel_init: Callable[..., Any] = default_kernel_init,
+        bias_init: Callable[..., Any] = default_bias_init,
+        rngs: nnx.Rngs,
+    ):
+        # Refuse a shape the kernel cannot take before drawing anything.
+        shapes.check_layer(in_features, out_features, group_size)
+        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.weight = QuantizedWeight(quantize(kernel, group_size=group_size))
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.group_size = group_size
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, *, group_size: int = 128) -> MarlinLinear:
+        """Quantizes an ``nnx.Linear``'s kernel ``[in, out]``; copies its bias and dtypes.
+
+        Raises ``ValueError`` (from ``check_layer``) if the kernel's shape does
+        not fit. Traceable: works inside ``nnx.eval_shape`` and ``nnx.jit``.
+        """
+        if not isinstance(linear, nnx.Linear):
+            raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
+        kernel = linear.kernel[...]
+        bias = linear.bias[...] if linear.bias is not None else None
+        # The initializers hand back the layer's own arrays, so __init__ stays
+        # the one place that builds a MarlinLinear; the Rngs is never used for
+        # randomness.
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            use_bias=linear.use_bias,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+            group_size=group_size,
+            kernel_init=lambda *_: kernel,
+            bias_init=lambda *_: bias,
+            rngs=nnx.Rngs(0),
+        )
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs [..., in_features]`` float -> ``[..., out_features]`` in ``dtype``.
+
+        ``inputs`` are rounded to float16 for the kernel (values beyond
+        ±65504 become inf). There is no gradient with respect to ``inputs``
+        yet: ``jm.matmul`` has no differentiation rule, so only losses in
+        which no differentiated value flows into a ``MarlinLinear`` can be
+        differentiated (the bias itself is fine).
+        """
+        x = jnp.asarray(inputs)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"inputs.dtype is {x.dtype}; MarlinLinear takes floating-point "
+                            f"inputs [..., {self.in_features}]")
+        out_dtype = x.dtype if self.dtype is None else jnp.dtype(self.dtype)
+        y = matmul(x.astype(jnp.float16), self.weight.get_value())
+        if self.bias is not None:
+            bias = self.bias[...]
+            # Add in the wider of the two dtypes so the result is rounded once.
+            acc = jnp.promote_types(out_dtype, bias.dtype)
+            y = y.astype(acc) + bias.astype(acc)
+        return y.astype(out_dtype)
+
+
+# --- quantize_model -------------------------------------------------------------
+
+
+def _path_str(path: Path) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayer:
+    """An ``nnx.Linear`` at ``path`` replaced by a ``MarlinLinear`` with a ``[k, n]`` weight."""
+
+    path: Path
+    k: int
+    n: int
+    bytes_before: int  # the float kernel, in its stored dtype
+    bytes_after: int  # qweight + scales
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedLayer:
+    """An ``nnx.Linear`` at ``path`` (kernel ``[k, n]``) left in float, and why."""
+
+    path: Path
+    k: int
+    n: int
+    reason: str
+
+
+# Static (no leaves): a summary passes unchanged through nnx.eval_shape and jit.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class QuantizeSummary:
+    """What :func:`quantize_model` did.
+
+    Attributes:
+      group_size: the group size used.
+      replaced: layers now ``MarlinLinear``.
+      skipped: layers the filter selected that stay ``nnx.Linear``, with the reason.
+      excluded: paths of layers the filter turned down.
+
+    ``str(summary)`` is a short report; ``bytes_before`` / ``bytes_after``
+    total the replaced kernels (biases are unchanged and not counted).
+    """
+
+    group_size: int
+    replaced: tuple[QuantizedLayer, ...]
+    skipped: tuple[SkippedLayer, ...]
+    excluded: tuple[Path, ...]
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(layer.bytes_before for layer in self.replaced)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(layer.bytes_after for layer in self.replaced)
+
+    def __str__(self) -> str:
+        lines = [f"quantize_model(group_size={self.group_size}): {len(self.replaced)} nnx.Linear "
+                 f"-> MarlinLinear, {len(self.skipped)} kept in float, "
+                 f"{len(self.excluded)} excluded by filter"]
+        if self.replaced:
+            ratio = self.bytes_before / max(self.bytes_after, 1)
+            lines.append(f"  replaced kernels: {self.bytes_before / 2**20:.2f} MiB -> "
+                         f"{self.bytes_after / 2**20:.2f} MiB ({ratio:.1f}x smaller)")
+        lines += [f"  kept in float: {_path_str(s.path)} [{s.k}, {s.n}]: {s.reason}"
+                  for s in self.skipped]
+        if self.excluded:
+            lines.append("  excluded: " + ", ".join(_path_str(p) for p in self.excluded))
+        return "\n".join(lines)
+
+
+def _rewrite(node: Any, path: Path, visit: Callable[[Path, nnx.Linear], Any],
+             done: dict[int, Any]) -> Any:
+    """Returns ``node`` with every ``nnx.Linear`` below it replaced by ``visit(path, linear)``.
+
+    Mutable containers (modules, ``nnx.List``/``nnx.Dict``, lists, dicts) are
+    changed in place; a tuple holding a replaced layer is rebuilt. ``done``
+    maps ``id`` of every node seen to what replaces it, so a layer shared
+    between two places is visited once and replaced in both, and cycles end.
+    """
+    if id(node) in done:
+        return done[id(node)]
+    if isinstance(node, nnx.Linear):
+        done[id(node)] = visit(path, node)
+        return done[id(node)]
+    if isinstance(node, nnx.Variable):
+        return node
+    # nnx.List and nnx.Dict are Modules too; index them, not their attributes.
+    if isinstance(node, MutableSequence):
+        done[id(node)] = node
+        for i, child in enumerate(list(node)):
+            new = _rewrite(child, (*path, i), visit, done)
+            if new is not child:
+                node[i] = new
+        return node
+    if isinstance(node, MutableMapping):
+        done[id(node)] = node
+        for key, child in list(node.items()):
+            new = _rewrite(child, (*path, key), visit, done)
+            if new is not child:
+                node[key] = new
+        return node
+    if isinstance(node, tuple):
+        done[id(node)] = node
+        children = [_rewrite(c, (*path, i), visit, done) for i, c in enumerate(node)]
+        if all(new is old for new, old in zip(children, node)):
+            return node
+        new_tuple = type(node)(*children) if hasattr(node, "_fields") else type(node)(children)
+        done[id(node)] = new_tuple
+        return new_tuple
+    if isinstance(node, nnx.Pytree):
+        done[id(node)] = node
+        for name, child in list(vars(node).items()):
+            if name.startswith("_pytree__"):  # nnx's own bookkeeping
+                continue
+            new = _rewrite(child, (*path, name), visit, done)
+            if new is not child:
+                setattr(node, name, new)
+        return node
+    return node
+
+
+def _find_linears(model: Any) -> list[tuple[Path, nnx.Linear]]:
+    found: list[tuple[Path, nnx.Linear]] = []
+
+    def record(path, linear):
+        found.append((path, linear))
+        return linear
+
+    _rewrite(model, (), record, {})
+    return found
+
+
+def _progress_bar(total: int, progress: bool | None):
+    show = total >= PROGRESS_MIN_LAYERS if progress is None else progress
+    if not show:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if progress:
+            raise ImportError("quantize_model(progress=True) needs tqdm: "
+                              "pip install tqdm") from None
+        return None
+    return tqdm(total=total, desc="quantize_model", unit="layer")
+
+
+def quantize_model(
+    model: Any,
+    *,
+    group_size: int = 128,
+    filter: Callable[[Path, nnx.Linear], bool] | None = None,
+    progress: bool | None = None,
+    summary: bool = False,
+):
+    """Replaces every ``nnx.Linear`` in ``model`` by a :class:`MarlinLinear`, in place.
+
+    Walks modules, ``nnx.List``/``nnx.Dict`` and plain lists, dicts and tuples
+    held as data. A layer reachable from several places is quantized once and
+    replaced everywhere.
+
+    Args:
+      model: an ``nnx.Module`` (or any graph of them).
+      group_size: 128 or -1, passed to :func:`jax_marlin.quantize`.
+      filter: ``filter(path, linear) -> bool`` picks the layers to quantize,
+        ``path`` being the tuple of attribute names / indices from ``model``
+        (e.g. ``("blocks", 0, "mlp", "up")``); ``None`` picks all.
+      progress: a tqdm progress bar; ``None`` shows one from 8 layers up.
+      summary: also return a :class:`QuantizeSummary`.
+
+    Returns:
+      ``model`` (the same object; a new ``MarlinLinear`` if ``model`` itself is
+      an ``nnx.Linear``), or ``(model, summary)`` with ``summary=True``. The
+      summary is also logged at INFO level to ``jax_marlin.flax.nnx``.
+
+    A picked layer whose kernel shape the Marlin kernel cannot take (see
+    ``jax_marlin.shapes.check_layer``), or a subclass of ``nnx.Linear`` (its
+    ``__call__`` may do more than a matmul), stays as it is; one warning lists
+    all such layers with their shapes and the reason.
+
+    Traceable: ``nnx.eval_shape(lambda: quantize_model(Model(rngs=nnx.Rngs(0))))``
+    gives the abstract quantized model without allocating any weight.
+    """
+    if group_size not in shapes.GROUP_SIZES:
+        raise ValueError(f"group_size = {group_size} is not supported; expected one of "
+                         f"{shapes.GROUP_SIZES}")
+    replaced: list[QuantizedLayer] = []
+    skipped: list[SkippedLayer] = []
+    excluded: list[Path] = []
+    new_layers: dict[int, MarlinLinear] = {}
+
+    found = _find_linears(model)
+    bar = _progress_bar(len(found), progress)
+    try:
+        for path, linear in found:
+            k, n = linear.in_features, linear.out_features
+            if filter is not None and not filter(path, linear):
+                excluded.append(path)
+            elif type(linear) is not nnx.Linear:
+                skipped.append(SkippedLayer(path, k, n, f"{type(linear).__name__} is a subclass "
+                                            f"of nnx.Linear; its __call__ may do more than x @ W"))
+            else:
+                try:
+                    shapes.check_layer(k, n, group_size)
+                except ValueError as e:
+                    skipped.append(SkippedLayer(path, k, n, str(e)))
+                else:
+                    layer = MarlinLinear.from_linear(linear, group_size=group_size)
+                    new_layers[id(linear)] = layer
+                    replaced.append(QuantizedLayer(path, k, n, _nbytes(linear.kernel.get_value()),
+                                                   layer.weight.get_value().nbytes))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    model = _rewrite(model, (), lambda path, linear: new_layers.get(id(linear), linear), {})
+
+    result = QuantizeSummary(group_size, tuple(replaced), tuple(skipped), tuple(excluded))
+    if skipped:
+        listing = "\n".join(f"  {_path_str(s.path)}: kernel [{s.k}, {s.n}]: {s.reason}"
+                            for s in skipped)
+        warnings.warn(f"quantize_model kept {len(skipped)} nnx.Linear layer(s) in float:\n"
+                      f"{listing}", stacklevel=2)
+    _log.info("%s", result)
+    return (model, result) if summary else model

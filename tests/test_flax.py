@@ -1,0 +1,409 @@
+"""jax_marlin.flax: MarlinLinear / quantize_model (nnx) and MarlinDense / converters (linen)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# flax and orbax are optional: jax_marlin itself needs neither.
+pytest.importorskip("flax")
+ocp = pytest.importorskip("orbax.checkpoint")
+
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_marlin as jm  # noqa: E402
+from conftest import random_x, rel_err  # noqa: E402
+from jax_marlin.flax import (  # noqa: E402
+    MarlinDense,
+    MarlinLinear,
+    QuantizedWeight,
+    QuantizeSummary,
+    dense_to_marlin,
+    params_to_marlin,
+    quantize_model,
+)
+
+# 4-bit round-to-nearest with one scale per 128 rows of a Gaussian kernel:
+# the step is max|w| / 7.5 ~ 0.35 sigma, the error uniform in half a step,
+# so ||y_int4 - y_float|| / ||y_float|| ~ 0.35 / sqrt(12) ~ 0.1.
+QUANT_ERR = (0.05, 0.15)
+# Against jm.reference.matmul on the same packed weights: float16 rounding of
+# the product (and of the sum with the bias) only.
+SAME_WEIGHT_TOL = 1e-3
+
+K, N = 256, 512
+
+
+def normal_init(key, shape, dtype):
+    """A bias that is not zero, so adding it is tested."""
+    return jax.random.normal(key, shape, dtype)
+
+
+def ref_linear(x, layer: MarlinLinear):
+    """The same quantized layer in float32 jnp."""
+    y = jm.reference.matmul(x.astype(jnp.float16), layer.weight.get_value()).astype(jnp.float32)
+    return y + layer.bias[...] if layer.bias is not None else y
+
+
+# --- nnx -----------------------------------------------------------------------
+
+
+def test_marlin_linear_quantizes_the_same_kernel_as_nnx_linear(rng):
+    linear = nnx.Linear(K, N, bias_init=normal_init, rngs=nnx.Rngs(3))
+    layer = MarlinLinear(K, N, bias_init=normal_init, rngs=nnx.Rngs(3))
+    expected = jm.quantize(linear.kernel[...], group_size=128)
+    w = layer.weight.get_value()
+    assert isinstance(layer.weight, QuantizedWeight) and not isinstance(layer.weight, nnx.Param)
+    assert (w.k, w.n, w.group_size) == (K, N, 128)
+    np.testing.assert_array_equal(np.asarray(w.qweight), np.asarray(expected.qweight))
+    np.testing.assert_array_equal(np.asarray(w.scales), np.asarray(expected.scales))
+    np.testing.assert_array_equal(np.asarray(layer.bias[...]), np.asarray(linear.bias[...]))
+
+    x = random_x(rng, 3, 5, K)
+    y = layer(x)
+    assert y.shape == (3, 5, N) and y.dtype == jnp.float16
+    assert rel_err(y, np.asarray(ref_linear(x, layer), np.float64)) <= SAME_WEIGHT_TOL
+    y_float = np.asarray(linear(x.astype(np.float32)), np.float64)
+    assert QUANT_ERR[0] <= rel_err(y, y_float) <= QUANT_ERR[1]
+
+
+def test_marlin_linear_dtypes_and_no_bias(rng):
+    x32 = random_x(rng, 4, K).astype(np.float32)
+    layer = MarlinLinear(K, N, use_bias=False, group_size=-1, rngs=nnx.Rngs(0))
+    assert layer.bias is None and layer.weight.get_value().scales.shape == (1, N)
+    y = layer(x32)
+    assert y.dtype == jnp.float32  # dtype=None: the dtype of x
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x32.astype(np.float16)),
+                                                            np.float32))
+    assert MarlinLinear(K, N, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x32).dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="inputs.dtype is int32"):
+        layer(jnp.ones((2, K), jnp.int32))
+
+
+def test_marlin_linear_rejects_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="n = 100"):
+        MarlinLinear(K, 100, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="k = 192 must be a multiple of group_size = 128"):
+        MarlinLinear(192, 256, rngs=nnx.Rngs(0))
+
+
+def test_from_linear_copies_bias_and_config():
+    linear = nnx.Linear(K, N, dtype=jnp.float32, param_dtype=jnp.bfloat16, bias_init=normal_init,
+                        rngs=nnx.Rngs(1))
+    layer = MarlinLinear.from_linear(linear, group_size=-1)
+    assert (layer.in_features, layer.out_features, layer.group_size) == (K, N, -1)
+    assert layer.dtype == jnp.float32 and layer.param_dtype == jnp.bfloat16
+    assert layer.bias[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(layer.bias[...]), np.asarray(linear.bias[...]))
+    expected = jm.quantize(linear.kernel[...], group_size=-1)
+    np.testing.assert_array_equal(np.asarray(layer.weight.get_value().qweight),
+                                  np.asarray(expected.qweight))
+    with pytest.raises(TypeError, match="nnx.Linear"):
+        MarlinLinear.from_linear(nnx.LayerNorm(K, rngs=nnx.Rngs(0)))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(K, rngs=rngs)
+        self.up = nnx.Linear(K, N, rngs=rngs)
+        self.down = nnx.Linear(N, K, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class Model(nnx.Module):
+    """Blocks in an nnx.List, layers in a plain dict and a tuple, one shared
+    layer, and a head of 100 features the kernel cannot take."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.extra = nnx.data({"proj": nnx.Linear(K, K, rngs=rngs)})
+        self.pair = nnx.data((nnx.Linear(K, K, rngs=rngs), "not a layer"))
+        self.shared = self.blocks[0].up
+        self.head = nnx.Linear(K, 100, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        x = self.pair[0](self.extra["proj"](x))
+        return self.head(x), self.shared(x)
+
+
+QUANTIZED = ["blocks/0/up", "blocks/0/down", "blocks/1/up", "blocks/1/down", "extra/proj",
+             "pair/0"]
+
+
+def _is_variable(v):
+    return isinstance(v, nnx.Variable)
+
+
+def _paths(layers):
+    return ["/".join(map(str, layer.path)) for layer in layers]
+
+
+def test_quantize_model_replaces_nested_layers_and_warns_once(rng):
+    model = Model(nnx.Rngs(0))
+    x = random_x(rng, 8, K).astype(np.float32)
+    head_before, shared_before = (np.asarray(a, np.float64) for a in model(x))
+    head = model.head
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, summary = quantize_model(model, summary=True)
+    assert out is model
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "head: kernel [256, 100]" in message and "n = 100" in message
+    for block in model.blocks:
+        assert isinstance(block.up, MarlinLinear) and isinstance(block.down, MarlinLinear)
+        assert isinstance(block.norm, nnx.LayerNorm)
+    assert isinstance(model.extra["proj"], MarlinLinear)
+    assert isinstance(model.pair, tuple) and isinstance(model.pair[0], MarlinLinear)
+    assert model.pair[1] == "not a layer"
+    assert model.shared is model.blocks[0].up  # shared: quantized once, replaced in both places
+    assert model.head is head and type(head) is nnx.Linear
+
+    assert isinstance(summary, QuantizeSummary)
+    assert _paths(summary.replaced) == QUANTIZED
+    assert _paths(summary.skipped) == ["head"] and summary.excluded == ()
+    assert summary.bytes_before == 4 * (4 * K * N + 2 * K * K)
+    assert summary.bytes_after == sum(
+        layer.weight.get_value().nbytes for layer in
+        [model.extra["proj"], model.pair[0]] + [b.up for b in model.blocks] +
+        [b.down for b in model.blocks])
+    assert "6 nnx.Linear -> MarlinLinear, 1 kept in float" in str(summary)
+
+    # Up to five quantized layers lie on the way to an output; their errors add up.
+    head_after, shared_after = model(x)
+    assert QUANT_ERR[0] <= rel_err(shared_after, shared_before) <= 2 * QUANT_ERR[1]
+    assert QUANT_ERR[0] <= rel_err(head_after, head_before) <= 2 * QUANT_ERR[1]
+
+
+def test_quantize_model_filter_and_root_linear():
+    model = Model(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the head is excluded, so nothing to warn about
+        _, summary = quantize_model(model, filter=lambda path, _: path[0] == "blocks",
+                                    group_size=-1, summary=True)
+    assert _paths(summary.replaced) == QUANTIZED[:4]
+    assert sorted("/".join(map(str, p)) for p in summary.excluded) == ["extra/proj", "head",
+                                                                       "pair/0"]
+    assert model.blocks[1].down.group_size == -1
+    assert type(model.extra["proj"]) is nnx.Linear
+
+    layer = quantize_model(nnx.Linear(K, N, rngs=nnx.Rngs(0)))
+    assert isinstance(layer, MarlinLinear)
+
+    class ScaledLinear(nnx.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    scaled = ScaledLinear(K, N, rngs=nnx.Rngs(0))
+    with pytest.warns(UserWarning, match="ScaledLinear is a subclass of nnx.Linear"):
+        assert quantize_model(scaled) is scaled
+    with pytest.raises(ValueError, match="group_size = 64"):
+        quantize_model(Model(nnx.Rngs(0)), group_size=64)
+
+
+def test_quantize_model_progress_bar(capsys):
+    class Many(nnx.Module):
+        def __init__(self, count, rngs):
+            self.layers = nnx.List([nnx.Linear(128, 64, rngs=rngs) for _ in range(count)])
+
+    quantize_model(Many(7, nnx.Rngs(0)))
+    assert "quantize_model" not in capsys.readouterr().err
+    quantize_model(Many(8, nnx.Rngs(0)))
+    assert "quantize_model: 100%" in capsys.readouterr().err
+    quantize_model(Many(8, nnx.Rngs(0)), progress=False)
+    assert "quantize_model" not in capsys.readouterr().err
+
+
+def test_quantize_model_is_traceable():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the head
+        abstract, summary = nnx.eval_shape(
+            lambda: quantize_model(Model(nnx.Rngs(0)), group_size=128, summary=True))
+    assert _paths(summary.replaced) == QUANTIZED
+    up = abstract.blocks[1].up
+    assert isinstance(up, MarlinLinear)
+    w = up.weight.get_value()
+    assert isinstance(w, jm.MarlinWeight)
+    assert w.qweight == jax.ShapeDtypeStruct((K // 16, 2 * N), jnp.int32)
+    assert w.scales == jax.ShapeDtypeStruct((K // 128, N), jnp.float16)
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
+
+
+def _quantized_model(seed):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the head
+        return quantize_model(Model(nnx.Rngs(seed)))
+
+
+def _assert_same_outputs(a, b):
+    for ya, yb in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(ya), np.asarray(yb))
+
+
+def test_jit_split_merge_state_update(rng):
+    model = _quantized_model(0)
+    x = random_x(rng, 4, K).astype(np.float32)
+    expected = model(x)
+    _assert_same_outputs(nnx.jit(lambda m, x: m(x))(model, x), expected)
+
+    graphdef, state = nnx.split(model)
+    _assert_same_outputs(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x), expected)
+
+    # Packed weights are their own filterable kind of state.
+    _, weights, rest = nnx.split(model, QuantizedWeight, ...)
+    packed = jax.tree.leaves(weights, is_leaf=lambda v: isinstance(v, jm.MarlinWeight))
+    assert len(packed) == 6 and all(isinstance(w, jm.MarlinWeight) for w in packed)
+    rest_kinds = {type(v) for v in jax.tree.leaves(rest, is_leaf=_is_variable)}
+    assert QuantizedWeight not in rest_kinds and nnx.Param in rest_kinds
+
+    other = _quantized_model(1)
+    assert not np.array_equal(np.asarray(other(x)[1]), np.asarray(expected[1]))
+    nnx.update(other, nnx.state(model))
+    _assert_same_outputs(other(x), expected)
+
+
+class FloatBranch(nnx.Module):
+    """A LayerNorm feeding a float head, next to a MarlinLinear on the raw input."""
+
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(K, rngs=rngs)
+        self.head = nnx.Linear(K, 100, rngs=rngs)
+        self.proj = MarlinLinear(K, N, bias_init=normal_init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.norm(x)), self.proj(x)
+
+
+def test_grad_reaches_float_params_only(rng):
+    # jm.matmul has no differentiation rule yet, so no differentiated value may
+    # flow into a MarlinLinear's input; its bias and all float layers whose
+    # outputs do not pass through one differentiate as usual, and nnx.grad
+    # over nnx.Param never touches the QuantizedWeight.
+    model = FloatBranch(nnx.Rngs(0))
+    x = random_x(rng, 6, K).astype(np.float32)
+
+    def loss(m):
+        head, proj = m(x)
+        return jnp.sum(head**2) + jnp.sum(proj)
+
+    grads = nnx.grad(loss)(model)
+    kinds = {type(v) for v in jax.tree.leaves(grads, is_leaf=_is_variable)}
+    assert kinds == {nnx.Param}
+    assert "weight" not in grads["proj"]
+    # d sum(proj) / d bias = one per row of x
+    np.testing.assert_allclose(np.asarray(grads["proj"]["bias"][...]), np.full(N, 6.0))
+    for name in ("scale", "bias"):
+        g = np.asarray(grads["norm"][name][...])
+        assert np.isfinite(g).all() and np.abs(g).max() > 0
+    assert np.abs(np.asarray(grads["head"]["kernel"][...])).max() > 0
+
+
+def test_orbax_roundtrip_nnx(tmp_path, rng):
+    model = _quantized_model(0)
+    x = random_x(rng, 4, K).astype(np.float32)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "model", nnx.state(model))
+    checkpointer.wait_until_finished()
+
+    abstract = nnx.eval_shape(lambda: _quantized_model(7))
+    graphdef, abstract_state = nnx.split(abstract)
+    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "model", abstract_state))
+    assert isinstance(restored.blocks[0].up.weight.get_value(), jm.MarlinWeight)
+    _assert_same_outputs(restored(x), model(x))
+
+
+# --- linen ---------------------------------------------------------------------
+
+
+def test_marlin_dense_init_apply_under_jit(rng):
+    x = random_x(rng, 2, 3, K)
+    key = jax.random.key(4)
+    dense = nn.Dense(N, bias_init=normal_init)
+    layer = MarlinDense(N, bias_init=normal_init)
+    variables = jax.jit(layer.init)(key, x)
+    float_params = dense.init(key, x)["params"]
+
+    assert set(variables) == {"params", "marlin"}
+    assert set(variables["params"]) == {"bias"}
+    w = variables["marlin"]["weight"]
+    expected = jm.quantize(float_params["kernel"], group_size=128)
+    np.testing.assert_array_equal(np.asarray(w.qweight), np.asarray(expected.qweight))
+    np.testing.assert_array_equal(np.asarray(w.scales), np.asarray(expected.scales))
+
+    y = jax.jit(layer.apply)(variables, x)
+    assert y.shape == (2, 3, N) and y.dtype == jnp.float16
+    ref = jm.reference.matmul(x, w).astype(jnp.float32) + variables["params"]["bias"]
+    assert rel_err(y, np.asarray(ref, np.float64)) <= SAME_WEIGHT_TOL
+    y_float = dense.apply({"params": float_params}, x.astype(np.float32))
+    assert QUANT_ERR[0] <= rel_err(y, np.asarray(y_float, np.float64)) <= QUANT_ERR[1]
+
+    with pytest.raises(ValueError, match="n = 100"):
+        MarlinDense(100).init(key, x)
+
+
+class LinenModel(nn.Module):
+    """Float or 4-bit depending on ``dense``; explicit names so the trees match."""
+
+    dense: type = nn.Dense
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.nn.gelu(self.dense(N, name="up")(nn.LayerNorm(name="norm")(x)))
+        h = self.dense(K, use_bias=False, name="down")(h)
+        return nn.Dense(100, name="head")(x + h)
+
+
+def test_params_to_marlin_converts_a_float_model(rng):
+    x = random_x(rng, 5, K).astype(np.float32)
+    float_model, marlin_model = LinenModel(), LinenModel(dense=MarlinDense)
+    params = float_model.init(jax.random.key(0), x)["params"]
+
+    with pytest.raises(ValueError, match=r"head: kernel \[256, 100\]"):
+        params_to_marlin(params)
+
+    def not_head(path, _):
+        return path[0] != "head"
+
+    variables = params_to_marlin(params, filter=not_head)
+    assert set(variables["marlin"]) == {"up", "down"}
+    assert set(variables["params"]["up"]) == {"bias"} and variables["params"]["down"] == {}
+    assert variables["params"]["head"]["kernel"] is params["head"]["kernel"]  # left as it was
+    assert variables["params"]["norm"]["scale"] is params["norm"]["scale"]
+
+    single = dense_to_marlin(params["up"])
+    np.testing.assert_array_equal(np.asarray(single["marlin"]["weight"].qweight),
+                                  np.asarray(variables["marlin"]["up"]["weight"].qweight))
+    with pytest.raises(ValueError, match="'kernel'"):
+        dense_to_marlin(params["norm"])
+
+    y = marlin_model.apply(variables, x)
+    y_float = float_model.apply({"params": params}, x)
+    assert rel_err(y, np.asarray(y_float, np.float64)) <= QUANT_ERR[1]
+    abstract = jax.eval_shape(lambda p: params_to_marlin(p, filter=not_head), params)
+    assert abstract["marlin"]["up"]["weight"].qweight == jax.ShapeDtypeStruct((K // 16, 2 * N),
+                                                                               jnp.int32)
+
+
+def test_orbax_roundtrip_linen(tmp_path, rng):
+    x = random_x(rng, 5, K).astype(np.float32)
+    model = LinenModel(dense=MarlinDense)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "linen", variables)
+    checkpointer.wait_until_finished()
+
+    target = jax.eval_shape(model.init, jax.random.key(1), x)
+    restored = checkpointer.restore(tmp_path / "linen", target)
+    assert isinstance(restored["marlin"]["up"]["weight"], jm.MarlinWeight)
+    np.testing.assert_array_equal(np.asarray(model.apply(restored, x)),
+                                  np.asarray(model.apply(variables, x)))
