@@ -28,6 +28,10 @@ an element it fails to write shows)."""
 def matmul(x, w: MarlinWeight) -> jax.Array:
     """``x @ W`` with the Marlin kernel, on CPU and CUDA, under ``jit``/``vmap``.
 
+    Under ``jit`` with sharded inputs the kernel runs on each device's shard
+    (``jax_marlin.sharding``): sharding ``m`` or ``n`` needs no communication,
+    sharding ``k`` one all-reduce of ``y``.
+
     Args:
       x: ``[..., k]`` float16 activations.
       w: a :class:`MarlinWeight` for a ``[k, n]`` weight.
@@ -42,9 +46,11 @@ def _bind(x, w: MarlinWeight, *, poison_output: bool) -> jax.Array:
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
                         f"got {type(w).__name__}")
-    x = jnp.asarray(x)
-    return marlin_matmul_p.bind(x, w.qweight, w.scales, k=w.k, n=w.n,
-                                group_size=w.group_size, poison_output=poison_output)
+    # Imported here: sharding.py builds its partitioned op on marlin_matmul_p
+    # from this module.
+    from jax_marlin.sharding import _matmul
+
+    return _matmul(jnp.asarray(x), w, poison_output=bool(poison_output))
 
 
 def _abstract_eval(x, qweight, scales, *, k, n, group_size, poison_output):
