@@ -9,6 +9,7 @@ from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
 from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
 from jax_marlin.primitive import matmul
+from jax_marlin.sharding import shard_weight, weight_specs
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,7 @@ __all__ = [
     "pack",
     "quantize",
     "reference",
+    "shard_weight",
     "unpack",
+    "weight_specs",
 ]
