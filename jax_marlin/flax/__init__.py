@@ -22,6 +22,7 @@ from jax_marlin.flax.nnx import (
     QuantizedWeight,
     QuantizeSummary,
     SkippedLayer,
+    get_partition_spec,
     quantize_model,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "QuantizedWeight",
     "SkippedLayer",
     "dense_to_marlin",
+    "get_partition_spec",
     "params_to_marlin",
     "quantize_model",
 ]

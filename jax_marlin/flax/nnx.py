@@ -26,6 +26,7 @@ from flax import nnx
 from jax_marlin import shapes
 from jax_marlin.packing import MarlinWeight, quantize
 from jax_marlin.primitive import matmul
+from jax_marlin.sharding import weight_specs
 
 __all__ = [
     "MarlinLinear",
@@ -33,6 +34,7 @@ __all__ = [
     "QuantizedLayer",
     "QuantizedWeight",
     "SkippedLayer",
+    "get_partition_spec",
     "quantize_model",
 ]
 
@@ -100,7 +102,21 @@ class MarlinLinear(nnx.Module):
         # Refuse a shape the kernel cannot take before drawing anything.
         shapes.check_layer(in_features, out_features, group_size)
         kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
-        self.weight = QuantizedWeight(quantize(kernel, group_size=group_size))
+        # A kernel_init wrapped with nnx.with_partitioning returns the array
+        # with its metadata; the metadata (out_sharding over the logical
+        # (in, out) dims) moves to the packed weight, see get_partition_spec.
+        metadata = {}
+        if isinstance(kernel, nnx.VariableMetadata):
+            kernel, metadata = kernel.raw_value, dict(kernel.metadata)
+        packed = quantize(kernel, group_size=group_size)
+        sharding = metadata.get("out_sharding")
+        if sharding and nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty:
+            # Flax's own eager sharding would put one spec on both leaves,
+            # which per-column scales ([1, n]) cannot take along k.
+            q_spec, s_spec = weight_specs(jax.sharding.PartitionSpec(*sharding), group_size)
+            packed = jax.lax.with_sharding_constraint(
+                packed, MarlinWeight(q_spec, s_spec, packed.k, packed.n, packed.group_size))
+        self.weight = QuantizedWeight(packed, eager_sharding=False, **metadata)
         self.bias: nnx.Param | None
         if use_bias:
             self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
@@ -123,6 +139,9 @@ class MarlinLinear(nnx.Module):
         if not isinstance(linear, nnx.Linear):
             raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
         kernel = linear.kernel[...]
+        sharding = linear.kernel.get_metadata().get("out_sharding")
+        if sharding:  # keep nnx.with_partitioning annotations of the float kernel
+            kernel = nnx.VariableMetadata(kernel, metadata=dict(out_sharding=sharding))
         bias = linear.bias[...] if linear.bias is not None else None
         # The initializers hand back the layer's own arrays, so __init__ stays
         # the one place that builds a MarlinLinear; the Rngs is never used for
@@ -160,6 +179,35 @@ class MarlinLinear(nnx.Module):
             acc = jnp.promote_types(out_dtype, bias.dtype)
             y = y.astype(acc) + bias.astype(acc)
         return y.astype(out_dtype)
+
+
+def get_partition_spec(tree):
+    """``nnx.get_partition_spec`` that knows the packed layout of :class:`QuantizedWeight`.
+
+    A ``QuantizedWeight`` annotated (through ``nnx.with_partitioning`` on the
+    kernel) with ``out_sharding`` over the logical ``(in_features,
+    out_features)`` dims gets a ``MarlinWeight`` of two specs,
+    ``jax_marlin.weight_specs``: ``qweight`` follows (k, n); per-column scales
+    stay replicated along k. Everything else is as ``nnx.get_partition_spec``.
+    Use it in place of that in the usual flow::
+
+        specs = get_partition_spec(nnx.state(model))
+        state = jax.lax.with_sharding_constraint(nnx.state(model), specs)
+    """
+    specs = nnx.get_partition_spec(tree)
+
+    def packed(var, spec):
+        if not isinstance(var, QuantizedWeight):
+            return spec
+        w = var.get_value()
+        spec_value = spec.get_value()
+        if isinstance(w, MarlinWeight) and isinstance(spec_value, jax.sharding.PartitionSpec):
+            q_spec, s_spec = weight_specs(spec_value, w.group_size)
+            return spec.replace(MarlinWeight(q_spec, s_spec, w.k, w.n, w.group_size))
+        return spec
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(packed, tree, specs, is_leaf=is_var)
 
 
 # --- quantize_model -------------------------------------------------------------
