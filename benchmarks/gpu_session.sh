@@ -36,7 +36,7 @@ fi
 if has tests; then
   step tests
   # From /tmp so that the installed package, not the source tree, is imported.
-  (cd /tmp && python3 -m pytest -q -rs -s "$OLDPWD/tests" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
+  (cd /tmp && python3 -m pytest -q -rs -s "$OLDPWD/${TESTS:-tests}" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
   grep -E "gpu rel err" "$OUT/tests.log" | sort -t: -k2 -g | tail -5
   tail -5 "$OUT/tests.log"
 fi
@@ -88,7 +88,7 @@ fi
 
 if has sanitize; then
   step compute-sanitizer memcheck on the Marlin kernels
-  timeout 120 compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
+  timeout ${SANITIZE_TIMEOUT:-120} compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
     python3 benchmarks/sanitize_cases.py > "$OUT/sanitize.log" 2>&1
   echo "exit $?"; grep -c True "$OUT/sanitize.log"; tail -3 "$OUT/sanitize.log"
 fi
