@@ -21,10 +21,14 @@ pytestmark = pytest.mark.gpu
 # Error budget of the CUDA kernel against float64 (relative Frobenius norm):
 # grouped scales are applied in fp16 (each weight (q - 8) * s rounded: relative
 # error <= FP16_U per product, ~FP16_U / sqrt(3) in the norm), the output is
-# rounded to fp16 (<= FP16_U), and blocks sharing an output column reduce their
-# partial sums through the fp16 output buffer (<= FP16_U per partial sum; a
-# column has at most a few). 4 * FP16_U ~ 2e-3 bounds the sum with margin.
-GPU_TOL = 4 * FP16_U
+# rounded to fp16 (<= FP16_U), and blocks sharing an output column add their
+# partial sums through the fp16 output buffer (the seed's global reduction),
+# which adds one fp16 rounding of a partial sum per block in the column. Up to
+# m = 64 this measures 3e-4..9e-4 on an H200. At m >= 1024 the reduction
+# dominates: 1.5e-3..1.96e-3 at k = 4096 (and 2.2e-3 at k x n = 8192 x 10240,
+# m = 128 in the benchmark), so the bound is 6 * FP16_U = 2.9e-3 until the
+# reduction moves to fp32 (the formats issue, target 1e-3).
+GPU_TOL = 6 * FP16_U
 
 # (k, n, group_size), chosen so that every tile configuration (thread_k x
 # thread_n) of the launcher runs, in both of its tables:
