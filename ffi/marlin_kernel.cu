@@ -37,7 +37,7 @@
 // CUDA_ERROR_ILLEGAL_INSTRUCTION at m = 1, k x n = 8192 x 10240; Triton turned
 // off fractional L2 policies on cp.async for the same ptxas bug). Build with
 // -DJAX_MARLIN_B_EVICT_FIRST=1 only with a ptxas known to compile it
-// correctly; benchmarks/NOTES.md has its measured effect where it did.
+// correctly (benchmarks/NOTES.md: its speed effect is not measured yet).
 #ifndef JAX_MARLIN_B_EVICT_FIRST
 #define JAX_MARLIN_B_EVICT_FIRST 0
 #endif
