@@ -1,13 +1,21 @@
 // What the CPU and CUDA handlers of `jax_marlin_matmul` share: the binding
 // (one buffer contract for both platforms) and the run-time shape checks.
 //
-//   x         f16 [..., k]        activations; leading dims are folded into m
-//   qweight   s32 [k / 16, 2 n]   4-bit weights in Marlin's packed layout
-//   scales    f16 [g, n]          g = k / group_size, or 1 for group_size -1
-//   -> y      f16 [..., n]
-//   -> workspace s32 [workspace_size(n)]   lock counters (CUDA); unused on CPU
+//   x         f16|bf16 [..., k]     activations; leading dims are folded into m
+//   qweight   s32 [k / 16, 2 n]     4-bit weights in Marlin's packed layout
+//   scales    f16|bf16 [g, n]       g = k / group_size, or 1 for group_size -1
+//   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
+//   -> y      f16|bf16 [..., n]
+//   -> workspace       s32 [>= workspace_size(n)]        lock counters (CUDA)
+//   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n)] fp32 partial sums
+//                      handed between thread blocks (CUDA)
 //   attrs: group_size (i64), poison_output (bool: fill y with NaN first, so
 //          tests see any element the kernel fails to write)
+//
+// x, scales, bias and y share one dtype, float16 or bfloat16. The CPU handler
+// ignores workspace and reduce_scratch; they are results (not FFI scratch) so
+// that XLA allocates them once per call site and the CUDA call stays
+// capturable into a CUDA graph.
 #pragma once
 
 #include <cstdint>
@@ -23,33 +31,45 @@ namespace ffi = xla::ffi;
 
 template <typename Binding>
 auto bind_matmul(Binding binding) {
-  return std::move(binding).template Arg<ffi::Buffer<ffi::F16>>()  // x
-      .template Arg<ffi::Buffer<ffi::S32, 2>>()             // qweight
-      .template Arg<ffi::Buffer<ffi::F16, 2>>()             // scales
-      .template Ret<ffi::Buffer<ffi::F16>>()                // y
-      .template Ret<ffi::Buffer<ffi::S32, 1>>()             // workspace
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()              // qweight
+      .template Arg<ffi::AnyBuffer>()                        // scales
+      .template Arg<ffi::AnyBuffer>()                        // bias
+      .template Ret<ffi::AnyBuffer>()                        // y
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()              // workspace
+      .template Ret<ffi::Buffer<ffi::F32, 1>>()              // reduce_scratch
       .template Attr<int64_t>("group_size")
       .template Attr<bool>("poison_output");
 }
 
 struct MatmulDims {
   int64_t m, n, k;
+  bool bf16;      // element type of x, scales, bias and y
+  bool has_bias;  // bias has n elements (otherwise none)
 };
 
 // Re-checks at run time what jax_marlin/shapes.py checks at trace time, so a
 // call that bypasses the Python API gets an error instead of a bad access.
-inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::Buffer<ffi::F16> &x,
+inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
                                              const ffi::Buffer<ffi::S32, 2> &qweight,
-                                             const ffi::Buffer<ffi::F16, 2> &scales,
-                                             const ffi::Buffer<ffi::F16> &y,
+                                             const ffi::AnyBuffer &scales,
+                                             const ffi::AnyBuffer &bias,
+                                             const ffi::AnyBuffer &y,
                                              const ffi::Buffer<ffi::S32, 1> &workspace,
+                                             const ffi::Buffer<ffi::F32, 1> &reduce_scratch,
                                              int64_t group_size) {
   auto s = [](int64_t v) { return std::to_string(v); };
   auto invalid = [](std::string why) {
     return ffi::Unexpected(ffi::Error::InvalidArgument("jax_marlin_matmul: " + why));
   };
+  const ffi::DataType dtype = x.element_type();
+  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16)
+    return invalid("x must be float16 or bfloat16");
+  if (scales.element_type() != dtype || bias.element_type() != dtype ||
+      y.element_type() != dtype)
+    return invalid("x, scales, bias and y must have one dtype");
   auto xd = x.dimensions(), qd = qweight.dimensions(), sd = scales.dimensions(),
-       yd = y.dimensions();
+       bd = bias.dimensions(), yd = y.dimensions();
   if (xd.size() < 1) return invalid("x must have at least one dimension");
   const int64_t k = qd[0] * marlin::kTile, n = qd[1] / 2;
   if (qd[1] % 2 != 0) return invalid("qweight.shape[1] = " + s(qd[1]) + " must be even (2 n)");
@@ -59,16 +79,20 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::Buffer<ffi::F16> &x,
   if (std::string why = marlin::check_problem(m, n, k, group_size); !why.empty())
     return invalid(why);
   const int64_t groups = group_size == -1 ? 1 : k / group_size;
-  if (sd[0] != groups || sd[1] != n)
-    return invalid("scales has shape [" + s(sd[0]) + ", " + s(sd[1]) + "], expected [" +
-                   s(groups) + ", " + s(n) + "]");
+  if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
+    return invalid("scales must have shape [" + s(groups) + ", " + s(n) + "]");
+  if (bd.size() != 1 || (bd[0] != n && bd[0] != 0))
+    return invalid("bias must have shape [" + s(n) + "] or [0] (no bias)");
   bool y_ok = yd.size() == xd.size() && yd.back() == n;
   for (size_t i = 0; y_ok && i + 1 < xd.size(); ++i) y_ok = yd[i] == xd[i];
   if (!y_ok) return invalid("y must have x's leading dimensions and n = " + s(n) + " columns");
   if (static_cast<int64_t>(workspace.element_count()) < marlin::workspace_size(n))
     return invalid("workspace holds " + s(workspace.element_count()) + " int32, needs " +
                    s(marlin::workspace_size(n)));
-  return MatmulDims{m, n, k};
+  if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n))
+    return invalid("reduce_scratch holds " + s(reduce_scratch.element_count()) +
+                   " float32, needs " + s(marlin::reduce_scratch_size(m, n)));
+  return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, bd[0] == n};
 }
 
 }  // namespace jax_marlin

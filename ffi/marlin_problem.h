@@ -17,6 +17,19 @@ constexpr int kMaxPar = 16;      // batch blocks of 64 rows run in one launch
 // (64-column slice, parallel batch block).
 inline int64_t workspace_size(int64_t n) { return n / kMinThreadN * kMaxPar; }
 
+// fp32 partial sums that thread blocks sharing an output tile hand to each
+// other (the global reduction), for m rows of x: one float per element of the
+// largest launch's output, 16 ceil(m / 16) rows but at most kMaxPar blocks of
+// 64 rows. Launches run one after another on the stream and reuse it.
+inline int64_t reduce_scratch_size(int64_t m, int64_t n) {
+  const int64_t rows = (m + kTile - 1) / kTile * kTile;
+  return (rows < 64 * kMaxPar ? rows : 64 * kMaxPar) * n;
+}
+
+// Group sizes the kernel is instantiated for: rows of k that share one scale,
+// or -1 for one scale per output column.
+inline bool is_group_size(int64_t g) { return g == -1 || g == 32 || g == 64 || g == 128; }
+
 struct ThreadConfig {
   int thread_k;
   int thread_n;
@@ -51,8 +64,8 @@ inline const ThreadConfig *choose_config(int64_t m, int64_t n, int64_t k) {
 // why not.
 inline std::string check_problem(int64_t m, int64_t n, int64_t k, int64_t group_size) {
   auto s = [](int64_t v) { return std::to_string(v); };
-  if (group_size != -1 && group_size != 128)
-    return "group_size must be -1 or 128, got " + s(group_size);
+  if (!is_group_size(group_size))
+    return "group_size must be -1, 32, 64 or 128, got " + s(group_size);
   if (k <= 0 || n <= 0 || m < 0)
     return "sizes must be positive (m = " + s(m) + ", k = " + s(k) + ", n = " + s(n) + ")";
   if (k % kMinThreadK != 0) return "k = " + s(k) + " must be a multiple of 64";
