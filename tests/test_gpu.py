@@ -1,6 +1,8 @@
-"""jm.matmul on the CUDA kernel: against the CPU handler, the jnp reference and float64.
+"""jm.matmul on the CUDA kernel: against float64, the CPU handler and the jnp reference.
 
-Skipped unless a CUDA GPU is visible and jax_marlin was built with CUDA.
+Skipped unless a CUDA GPU is visible and jax_marlin was built with CUDA. Every
+kernel run fills its output with NaN first (``poison_output``), so an element
+the kernel fails to write shows up as NaN in ``rel_err``.
 """
 
 from __future__ import annotations
@@ -13,22 +15,37 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
-from conftest import FP16_U, float64_reference, random_weight, random_x, rel_err
+from conftest import FP16_U, random_weight, rel_err
 from jax_marlin.primitive import _bind
 
 pytestmark = pytest.mark.gpu
 
-# Error budget of the CUDA kernel against float64 (relative Frobenius norm):
-# grouped scales are applied in fp16 (each weight (q - 8) * s rounded: relative
-# error <= FP16_U per product, ~FP16_U / sqrt(3) in the norm), the output is
-# rounded to fp16 (<= FP16_U), and blocks sharing an output column add their
-# partial sums through the fp16 output buffer (the seed's global reduction),
-# which adds one fp16 rounding of a partial sum per block in the column. Up to
-# m = 64 this measures 3e-4..9e-4 on an H200. At m >= 1024 the reduction
-# dominates: 1.5e-3..1.96e-3 at k = 4096 (and 2.2e-3 at k x n = 8192 x 10240,
-# m = 128 in the benchmark), so the bound is 6 * FP16_U = 2.9e-3 until the
-# reduction moves to fp32 (the formats issue, target 1e-3).
-GPU_TOL = 6 * FP16_U
+DTYPES = ["float16", "bfloat16"]
+
+#: Unit roundoff: float16 keeps 11 significant bits, bfloat16 8.
+UNIT_ROUNDOFF = {"float16": FP16_U, "bfloat16": 2.0**-8}
+
+# Error budget of the CUDA kernel against float64 (relative Frobenius norm),
+# with the fp32 global reduction of issue 6:
+# * each weight (q - 8) * s is formed in x's dtype before the tensor-core
+#   product: one rounding, relative error <= u per weight (group_size -1 applies
+#   the per-column scale to the sum in the epilogue instead: again one rounding);
+# * products accumulate in fp32 in the tensor cores, and thread blocks sharing
+#   an output tile hand each other fp32 partial sums: for random data the
+#   rounding errors add like a random walk, ~sqrt(k) 2^-24 ~ 1e-5 at k = 28672;
+# * the output is rounded to x's dtype once: <= u.
+# Two roundings bound the error by 2u: 2^-10 = 9.8e-4 in float16, 2^-7 = 7.8e-3
+# in bfloat16 (u = 2^-8, 8 significant bits). The issue's targets, 1e-3 and
+# 8e-3, are these plus the accumulation slack, for every m <= 4096 and
+# k <= 28672, so they hold for every case here. Random rounding errors add in
+# quadrature, so measured errors sit near 0.6u (3e-4 in float16, v1 on an
+# H200), a factor ~3 inside the bound; the seed's float16 global reduction
+# measured 1.5e-3..2.2e-3 at m >= 1024 and fails it, as it should.
+TOL = {"float16": 1e-3, "bfloat16": 8e-3}
+
+# The CPU handler and the jnp reference multiply the exact dequantized weight
+# in fp32 and round once: <= u plus the fp32 accumulation (<< 1e-5 here).
+CPU_TOL = {dt: u + 1e-5 for dt, u in UNIT_ROUNDOFF.items()}
 
 # (k, n, group_size), chosen so that every tile configuration (thread_k x
 # thread_n) of the launcher runs, in both of its tables:
@@ -38,6 +55,9 @@ GPU_TOL = 6 * FP16_U
 #   1024 x 1088    128x64     128x64
 #   1088 x 1024    64x256     64x256
 #   1088 x 1152    64x128     64x128
+# (test_tile_layers_are_not_padded checks that quantize leaves them as they
+# are, which the table assumes.) The larger layers add many k-slices per
+# output column (28672 x 1024) and wide outputs (1024 x 8192).
 LAYERS = [
     (1024, 1024, 128), (1024, 1152, 128), (1024, 1088, -1), (1088, 1024, -1),
     (1088, 1152, -1), (4096, 4096, 128), (8192, 1024, -1), (28672, 1024, 128),
@@ -45,66 +65,257 @@ LAYERS = [
 ]
 MS = [1, 7, 16, 17, 33, 64, 65, 100, 128, 1024, 1041]
 
+# Group sizes 32 and 64, and -1/128 where LAYERS lacks them, over the five
+# tile shapes above: with LAYERS every (tile configuration, group size) pair
+# the launcher can reach runs. (128-row groups need k % 128 == 0, so 1088-deep
+# weights take no g128.) m = 1: small-batch table, one 16-row block; m = 17:
+# large-batch table, two blocks; m = 65: a 64-row launch plus a 1-row one.
+TILE_SHAPES = [(1024, 1024), (1024, 1152), (1024, 1088), (1088, 1024), (1088, 1152)]
+GROUP_LAYERS = [(k, n, g) for k, n in TILE_SHAPES for g in (-1, 32, 64, 128)
+                if (g == -1 or k % g == 0) and (k, n, g) not in LAYERS]
+GROUP_MS = [1, 17, 65]
+
+# Shapes the kernel does not take directly: quantize pads them, matmul returns
+# the logical [m, n]. Partial last groups at k = 576 (g128), 1000 (g128, g32)
+# and 4100 (g128).
+ODD_LAYERS = [(576, 192, 128), (576, 192, -1), (576, 1000, 64), (1000, 576, 128),
+              (1000, 576, 32), (4100, 130, 128), (4100, 130, -1)]
+ODD_MS = [1, 16, 17, 64, 100]
+
+# The accuracy target of the fp32 reduction at realistic sizes (the Llama-70B
+# down projection is 28672 x 8192). m = 4096 runs four launches of 1024 rows
+# through one reduce scratch; g -1 applies its scales after the reduction.
+ACCURACY_LAYERS = [(4096, 4096, 128), (8192, 4096, -1), (28672, 8192, 128)]
+ACCURACY_MS = [1, 16, 64, 128, 1024, 4096]
+
+
+def layer_id(layer):
+    return "k%d-n%d-g%d" % layer[:3]
+
+
+def gpu(a):
+    return jax.device_put(a, jax.devices("gpu")[0])
+
+
+def on(device_kind, a):
+    return jax.device_put(a, jax.devices(device_kind)[0])
+
+
+def activations(rng, dtype, *shape):
+    """Random ``x`` in ``dtype`` (float16 or bfloat16), never zero."""
+    return rng.standard_normal(shape).astype(np.float32).astype(jnp.dtype(dtype))
+
 
 @functools.lru_cache(maxsize=None)
-def weight(k, n, group_size):
+def float_weight(k, n, group_size):
     rng = np.random.default_rng(k * 7 + n * 13 + group_size)
-    return jm.quantize(random_weight(rng, k, n), group_size=group_size)
+    return random_weight(rng, k, n)
 
 
-def on(device_kind, w):
-    return jax.device_put(w, jax.devices(device_kind)[0])
+@functools.lru_cache(maxsize=None)
+def weight(k, n, group_size, dtype):
+    """The packed weight, quantized on the GPU (the default device of these tests)."""
+    return jm.quantize(float_weight(k, n, group_size), group_size=group_size,
+                       dtype=jnp.dtype(dtype))
+
+
+_dequantize32 = jax.jit(lambda w: jm.dequantize(w, jnp.float32))
+
+
+def dequantized64(w) -> np.ndarray:
+    """The exact weight the kernel multiplies by, ``[k, n]`` float64."""
+    # (q - 8) * scale is exact in float32 (a 4-bit integer times an fp16 or bf16).
+    return np.asarray(_dequantize32(w), np.float64)
+
+
+@functools.lru_cache(maxsize=None)  # ~6 GB of host memory once every layer has run
+def weight64(k, n, group_size, dtype):
+    return dequantized64(weight(k, n, group_size, dtype))
+
+
+def packed_shape(w) -> tuple[int, int]:
+    """The (k, n) the kernel runs: qweight is [k / 16, 2 n]."""
+    return w.qweight.shape[0] * 16, w.qweight.shape[1] // 2
 
 
 @functools.partial(jax.jit, static_argnames="poison")
-def marlin(x, w, poison=True):
-    return _bind(x, w, poison_output=poison)
+def marlin(x, w, bias=None, poison=True):
+    return _bind(x, w, bias=bias, poison_output=poison)
+
+
+def check_against_float64(rng, w, w64, m, *, bias=False):
+    """Runs the kernel on random x (and bias), asserts the error bound."""
+    dtype = jnp.dtype(w.scales.dtype).name
+    x = activations(rng, dtype, m, w.k)
+    ref = np.asarray(x, np.float64) @ w64
+    b = None
+    if bias:
+        # As large as the outputs and independent of them: ||x W + b|| is about
+        # sqrt(2) ||x W||, so the relative bound carries over, and a bias that is
+        # dropped, doubled or applied to permuted columns moves the error to ~1.
+        b = (rng.standard_normal(w.n) * ref.std()).astype(np.float32).astype(jnp.dtype(dtype))
+        ref = ref + np.asarray(b, np.float64)
+        b = gpu(b)
+    y = marlin(gpu(x), w, b)
+    assert y.shape == (m, w.n) and y.dtype == jnp.dtype(dtype)
+    err = rel_err(y, ref)
+    print(f"gpu rel err {dtype} k={w.k} n={w.n} g={w.group_size} m={m}"
+          f"{' bias' if bias else ''}: {err:.2e} (tol {TOL[dtype]:.0e})")
+    assert err <= TOL[dtype]
 
 
 @pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("layer", LAYERS, ids=lambda l: "k%d-n%d-g%d" % l)
-def test_gpu_matches_float64(rng, m, layer):
-    w = on("gpu", weight(*layer))
-    x = random_x(rng, m, layer[0])
-    y = marlin(jax.device_put(x, jax.devices("gpu")[0]), w)
-    assert y.shape == (m, layer[1]) and y.dtype == jnp.float16
-    err = rel_err(y, float64_reference(x, w))
-    print(f"gpu rel err k={layer[0]} n={layer[1]} g={layer[2]} m={m}: {err:.2e}")
-    assert err <= GPU_TOL
+@pytest.mark.parametrize("layer", LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_matches_float64(rng, dtype, layer, m):
+    check_against_float64(rng, weight(*layer, dtype), weight64(*layer, dtype), m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tile_layers_are_not_padded(dtype):
+    # The tile table above holds only if quantize keeps shapes the kernel
+    # already takes.
+    for k, n, g in [l for l in LAYERS if l[:2] in TILE_SHAPES] + GROUP_LAYERS:
+        w = weight(k, n, g, dtype)
+        assert (w.k, w.n) == (k, n)
+        assert packed_shape(w) == (k, n), f"quantize padded [{k}, {n}] g{g} to {packed_shape(w)}"
+
+
+@pytest.mark.parametrize("m", GROUP_MS)
+@pytest.mark.parametrize("layer", GROUP_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_sizes_over_tile_configs(rng, dtype, layer, m):
+    check_against_float64(rng, weight(*layer, dtype), weight64(*layer, dtype), m)
+
+
+@pytest.mark.parametrize("m", ODD_MS)
+@pytest.mark.parametrize("layer", ODD_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shapes_match_float64(rng, dtype, layer, m):
+    w = weight(*layer, dtype)
+    assert (w.k, w.n) == layer[:2]
+    check_against_float64(rng, w, weight64(*layer, dtype), m)
+
+
+@pytest.mark.parametrize("layer", ODD_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shapes_dequantize_to_the_weight(dtype, layer):
+    # The float64 tests compare the kernel with dequantize(w); this ties
+    # dequantize(w) of a padded weight to the weight itself, so a padding that
+    # shifts rows, columns or groups cannot pass both. Round-to-nearest with the
+    # scale s = max|w| / 7.5 of the element's group, s rounded to the scale
+    # dtype (relative change <= u): |w - (q - 8) s| <= s / 2, or, where w / s
+    # rounds to +8 and is clipped to 7, <= max|w| (0.5 + 7.5 u) / 7.5; both
+    # <= max|w| / 15 * (1 + 16 u). A misplaced row or column errs by ~max|w|.
+    k, n, g = layer
+    w = weight(k, n, g, dtype)
+    deq = dequantized64(w)
+    assert deq.shape == (k, n)
+    orig = float_weight(k, n, g).astype(np.float64)
+    rows = k if g == -1 else g
+    pad = -k % rows
+    absmax = np.abs(np.pad(orig, ((0, pad), (0, 0)))).reshape(-1, rows, n).max(axis=1)
+    bound = np.repeat(absmax, rows, axis=0)[:k] / 15 * (1 + 16 * UNIT_ROUNDOFF[dtype])
+    excess = np.abs(deq - orig) - bound
+    assert excess.max() <= 0, f"{(excess > 0).sum()} elements off by more than half a step"
+
+
+@pytest.mark.parametrize("m", [1, 17, 100])
+@pytest.mark.parametrize("layer", [(1024, 1024, 128), (1088, 1152, -1), (576, 1000, 128)],
+                         ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_bias_matches_float64(rng, dtype, layer, m):
+    # The bias joins the output in the epilogue: one more rounding at most, a
+    # further ~0.4u in the norm, well inside the 2u bound's margin (above).
+    check_against_float64(rng, weight(*layer, dtype), weight64(*layer, dtype), m, bias=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_bias_and_no_bias_agree_bitwise(rng, dtype):
+    # Adding +0 is exact in any precision, and the bias must not change how the
+    # products are summed, so a zero bias gives the very bits of no bias.
+    w = weight(1024, 1152, 128, dtype)
+    x = gpu(activations(rng, dtype, 65, 1024))
+    plain = np.asarray(marlin(x, w))
+    assert np.isfinite(plain.astype(np.float32)).all()
+    zero = gpu(jnp.zeros((1152,), jnp.dtype(dtype)))
+    np.testing.assert_array_equal(np.asarray(marlin(x, w, zero)), plain)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jm.matmul)(x, w, bias=None)), plain)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jm.matmul)(x, w, bias=zero)), plain)
+
+
+@pytest.mark.parametrize("m", ACCURACY_MS)
+@pytest.mark.parametrize("layer", ACCURACY_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp32_reduction_accuracy_target(rng, dtype, layer, m):
+    check_against_float64(rng, weight(*layer, dtype), weight64(*layer, dtype), m)
+
+
+# (k, n, group_size, with bias)
+AGREEMENT_LAYERS = [(4096, 4096, 128, False), (28672, 1024, 128, False), (1088, 1152, -1, True),
+                    (1000, 576, 32, True)]
 
 
 @pytest.mark.parametrize("m", [1, 17, 128])
-@pytest.mark.parametrize("layer", [(4096, 4096, 128), (28672, 1024, 128), (1088, 1152, -1)],
-                         ids=lambda l: "k%d-n%d-g%d" % l)
-def test_gpu_matches_cpu_and_reference(rng, m, layer):
-    x = random_x(rng, m, layer[0])
-    y_gpu = np.asarray(marlin(jax.device_put(x, jax.devices("gpu")[0]), on("gpu", weight(*layer))),
-                       np.float64)
-    y_cpu = marlin(jax.device_put(x, jax.devices("cpu")[0]), on("cpu", weight(*layer)))
-    y_ref = jm.reference.matmul(x, on("cpu", weight(*layer)))
-    ref = float64_reference(x, weight(*layer))
-    # CPU and reference round once (<= FP16_U each); the GPU within GPU_TOL.
-    assert rel_err(y_cpu, ref) <= FP16_U + 1e-5
-    assert rel_err(y_ref, ref) <= FP16_U + 1e-5
-    assert rel_err(y_gpu, np.asarray(y_cpu, np.float64)) <= GPU_TOL + FP16_U
+@pytest.mark.parametrize("layer", AGREEMENT_LAYERS, ids=lambda l: layer_id(l) + ("-bias" * l[3]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_matches_cpu_and_reference(rng, dtype, layer, m):
+    # The CPU handler and the GPU kernel on the same packed arrays (quantized
+    # once, on the GPU, then copied), the same x and bias.
+    k, n, g, with_bias = layer
+    w = weight(k, n, g, dtype)
+    w_cpu = on("cpu", w)
+    x = activations(rng, dtype, m, k)
+    b = (rng.standard_normal(n) * np.sqrt(k)).astype(np.float32).astype(jnp.dtype(dtype)) \
+        if with_bias else None
+    y_gpu = marlin(gpu(x), w, None if b is None else gpu(b))
+    y_cpu = marlin(on("cpu", x), w_cpu, None if b is None else on("cpu", b))
+    assert y_cpu.shape == y_gpu.shape == (m, n) and y_cpu.dtype == y_gpu.dtype == jnp.dtype(dtype)
+    ref = np.asarray(x, np.float64) @ weight64(k, n, g, dtype)
+    assert rel_err(jm.reference.matmul(on("cpu", x), w_cpu), ref) <= CPU_TOL[dtype]
+    if b is not None:
+        ref = ref + np.asarray(b, np.float64)
+    assert rel_err(y_cpu, ref) <= CPU_TOL[dtype]
+    # ||gpu - cpu|| <= (TOL + CPU_TOL) ||ref|| and ||ref|| <= ||cpu|| / (1 - CPU_TOL).
+    err = rel_err(y_gpu, np.asarray(y_cpu, np.float64))
+    print(f"gpu-vs-cpu diff {dtype} k={k} n={n} g={g} m={m}: {err:.2e}")
+    assert err <= (TOL[dtype] + CPU_TOL[dtype]) / (1 - CPU_TOL[dtype])
 
 
-def test_leading_dims_and_vmap_on_gpu(rng):
-    w = on("gpu", weight(1024, 1024, 128))
-    x = jax.device_put(random_x(rng, 3, 5, 1024), jax.devices("gpu")[0])
-    y = jax.jit(jax.vmap(jm.matmul, in_axes=(0, None)))(x, w)
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "float16"), ("bfloat16", "float16"),
+                                             ("float16", "bfloat16"), ("float32", "bfloat16")])
+def test_bad_dtype_raises_type_error_on_gpu(rng, x_dtype, w_dtype):
+    # x must match the scales' dtype (float16 or bfloat16), also when the call
+    # would lower for CUDA.
+    w = weight(1024, 1024, 128, w_dtype)
+    x = gpu(activations(rng, "float16", 4, 1024).astype(jnp.dtype(x_dtype)))
+    with pytest.raises(TypeError):
+        jax.jit(jm.matmul)(x, w)
+    with pytest.raises(TypeError):
+        jm.matmul(x, w)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_dims_and_vmap_on_gpu(rng, dtype, with_bias):
+    w = weight(1024, 1024, 128, dtype)
+    x = gpu(activations(rng, dtype, 3, 5, 1024))
+    b = gpu(activations(rng, dtype, 1024)) if with_bias else None
+    y = jax.jit(jax.vmap(lambda x: jm.matmul(x, w, bias=b)))(x)
     np.testing.assert_array_equal(np.asarray(y).reshape(15, 1024),
-                                  np.asarray(marlin(x.reshape(15, 1024), w)))
+                                  np.asarray(marlin(x.reshape(15, 1024), w, b)))
 
 
-def test_repeated_calls_are_bit_identical(rng):
+@pytest.mark.parametrize("dtype,m", [("float16", 64), ("bfloat16", 64), ("float16", 1041)])
+def test_repeated_calls_are_bit_identical(rng, dtype, m):
     # 100 calls inside one jitted loop (where XLA may capture the custom call
     # into a CUDA graph) and 100 separate dispatches all give the same bits:
-    # the lock workspace is zeroed every call and the global reduction runs in
-    # a fixed order.
-    k, n, m = 8192, 1024, 64
-    w = on("gpu", weight(k, n, 128))
-    x = jax.device_put(random_x(rng, m, k), jax.devices("gpu")[0])
+    # the lock workspace is zeroed every call and the fp32 global reduction
+    # adds partial sums in a fixed order (m = 1041: several parallel 64-row
+    # blocks and two launches through one reduce scratch).
+    k, n = 8192, 1024
+    w = weight(k, n, 128, dtype)
+    x = gpu(activations(rng, dtype, m, k))
 
     @jax.jit
     def loop(x, w):
@@ -112,11 +323,11 @@ def test_repeated_calls_are_bit_identical(rng):
             # The barrier keeps XLA from hoisting the loop-invariant call.
             xi, _ = jax.lax.optimization_barrier((x, i))
             return ys.at[i].set(jm.matmul(xi, w))
-        return jax.lax.fori_loop(0, 100, body, jnp.zeros((100, m, n), jnp.float16))
+        return jax.lax.fori_loop(0, 100, body, jnp.zeros((100, m, n), jnp.dtype(dtype)))
 
     ys = np.asarray(loop(x, w))
     first = np.asarray(marlin(x, w))
-    assert np.isfinite(first).all()
+    assert np.isfinite(first.astype(np.float32)).all()
     for i in range(100):
         np.testing.assert_array_equal(ys[i], first)
     for _ in range(100):
