@@ -1,23 +1,34 @@
 """Side-by-side GPU benchmark: jax_marlin against what a JAX user writes today.
 
-Implementations, all jitted, all fed float16 activations ``x [m, k]``:
+Variants (``--impls``, one row each per layer and m), all jitted:
 
-* ``jax_marlin``: ``jm.matmul(x, w)``, 4-bit weights in Marlin's layout
-  (group size 128, and -1 = one scale per column);
-* ``xla_fp16``: ``x @ w`` with float16 weights;
+* ``jax_marlin_g128``, ``_g-1``, ``_g64``, ``_g32``: ``jm.matmul(x, w)`` with
+  float16 ``x`` and 4-bit weights in Marlin's layout, one float16 scale per
+  128/64/32 rows of k or per column (-1);
+* ``jax_marlin_bf16_g128``: the same in bfloat16 (``x`` and scales);
+* ``xla_fp16``, ``xla_bf16``: ``x @ w`` with float16/bfloat16 weights;
 * ``xla_int4``: ``jnp.int4`` weights cast to float16, times their group-128
   scales, then ``x @ w`` (XLA fuses what it can).
 
-Method: each implementation gets ``ROTATE`` distinct weight sets, applied one
+Aliases: ``jax_marlin`` (fp16 g128 and g-1, the rows before the issue-6
+formats) and ``formats`` (every jax_marlin variant, xla_fp16, xla_bf16). The
+records keep ``impl`` (jax_marlin, xla_fp16, xla_bf16, xla_int4), ``dtype`` and
+``group_size`` as before, plus ``variant``.
+
+Method: each variant gets ``ROTATE`` distinct weight sets, applied one
 after another inside one jitted call, so weights stream from HBM rather than
 the 60 MB L2; the call is dispatched ``CALLS`` times back to back and the wall
 time (after a block at the end) divided by ``CALLS * ROTATE``; that is the
 device time per matmul once the GPU is saturated. Median and spread (max - min)
 over ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its
-relative error against ``jm.reference.matmul``, so a fast wrong kernel cannot
-report. A device-to-device copy in the same process gives ``copy_tbps``.
+relative error against ``x @ dequantize(w)`` in float32, unrounded (results up
+to 2026-12-02 compared with that product rounded to float16), so a fast wrong
+kernel cannot report. A device-to-device copy in the same process gives
+``copy_tbps``.
 
     python benchmarks/bench_matmul.py --quick          # 3 layers x m in {1, 16, 64}
+    python benchmarks/bench_matmul.py --quick --impls formats
+    python benchmarks/bench_matmul.py --impls jax_marlin_g128 --out g128.json
     python benchmarks/bench_matmul.py --out results.json
 """
 
@@ -83,18 +94,50 @@ def copy_tbps() -> float:
     return 2 * arrays[0].nbytes / (us * 1e-6) / 1e12
 
 
-def make_weights(k: int, n: int, seed: int):
-    """ROTATE weight sets for every implementation, sharing their values where they can."""
+# Every row of the results, by the name --impls takes: (impl, dtype,
+# group_size) as recorded. jax_marlin rows run jm.matmul on weights quantized
+# with that group size and dtype; xla_fp16/xla_bf16 run x @ w in that dtype;
+# xla_int4 dequantizes jnp.int4 weights with group-128 fp16 scales, then x @ w.
+VARIANTS = {
+    "jax_marlin_g128": ("jax_marlin", "float16", 128),
+    "jax_marlin_g-1": ("jax_marlin", "float16", -1),
+    "jax_marlin_g64": ("jax_marlin", "float16", 64),
+    "jax_marlin_g32": ("jax_marlin", "float16", 32),
+    "jax_marlin_bf16_g128": ("jax_marlin", "bfloat16", 128),
+    "xla_fp16": ("xla_fp16", "float16", None),
+    "xla_bf16": ("xla_bf16", "bfloat16", None),
+    "xla_int4": ("xla_int4", "float16", 128),
+}
+# Names for several variants: "jax_marlin" keeps its meaning from before the
+# issue-6 formats (fp16, g128 and g-1); "formats" is the issue-6 comparison.
+ALIASES = {
+    "jax_marlin": ["jax_marlin_g128", "jax_marlin_g-1"],
+    "formats": ["jax_marlin_g128", "jax_marlin_g-1", "jax_marlin_g64", "jax_marlin_g32",
+                "jax_marlin_bf16_g128", "xla_fp16", "xla_bf16"],
+}
+
+
+def expand(names: list[str]) -> list[str]:
+    """Variant names for --impls names (aliases expanded), in VARIANTS order."""
+    chosen = {v for name in names for v in ALIASES.get(name, [name])}
+    return [v for v in VARIANTS if v in chosen]
+
+
+def make_weights(k: int, n: int, seed: int, variants: list[str]):
+    """ROTATE weight sets per variant, all from the same ROTATE float weights."""
     keys = jax.random.split(jax.random.key(seed), ROTATE)
-    sets = {"fp16": [], "int4": [], "g128": [], "g-1": []}
+    sets = {v: [] for v in variants}
     for key in keys:
         w = jax.random.normal(key, (k, n), jnp.float32)
-        sets["fp16"].append(w.astype(jnp.float16))
-        g128 = jm.quantize(w, group_size=128)
-        sets["g128"].append(g128)
-        q, s = jm.unpack(g128)
-        sets["int4"].append(((q - 8).astype(jnp.int4), s))
-        sets["g-1"].append(jm.quantize(w, group_size=-1))
+        for v in variants:
+            impl, dtype, group_size = VARIANTS[v]
+            if impl == "jax_marlin":
+                sets[v].append(jm.quantize(w, group_size=group_size, dtype=jnp.dtype(dtype)))
+            elif impl == "xla_int4":
+                q, s = jm.unpack(jm.quantize(w, group_size=128, dtype=jnp.float16))
+                sets[v].append(((q - 8).astype(jnp.int4), s))
+            else:
+                sets[v].append(w.astype(jnp.dtype(dtype)))
         del w
     return sets
 
@@ -105,7 +148,7 @@ def _marlin(x, ws):
 
 
 @jax.jit
-def _fp16(x, ws):
+def _dense(x, ws):
     return [x @ w for w in ws]
 
 
@@ -119,34 +162,34 @@ def _int4(x, ws):
     return out
 
 
-IMPLS = ["jax_marlin", "xla_fp16", "xla_int4"]
+FUNCTIONS = {"jax_marlin": _marlin, "xla_fp16": _dense, "xla_bf16": _dense, "xla_int4": _int4}
 
 
-def bench_layer(name: str, ms: list[int], impls: list[str], records: list[dict], log) -> None:
+def rel_err(x, w) -> float:
+    """||jm.matmul(x, w) - x @ W|| / ||x @ W||, W the exact dequantized weight, in float32."""
+    y = jm.matmul(x, w).astype(jnp.float32)
+    ref = jnp.matmul(x.astype(jnp.float32), jm.dequantize(w, jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+
+
+def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log) -> None:
     k, n = LAYERS[name]
-    sets = make_weights(k, n, seed=zlib.crc32(name.encode()))
+    sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
-        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float16)
-        row = dict(layer=name, k=k, n=n, m=m, dtype="float16")
-        for impl, group_size, fn, ws in [
-            ("jax_marlin", 128, _marlin, sets["g128"]),
-            ("jax_marlin", -1, _marlin, sets["g-1"]),
-            ("xla_fp16", None, _fp16, sets["fp16"]),
-            ("xla_int4", 128, _int4, sets["int4"]),
-        ]:
-            if impl not in impls:
-                continue
-            median, spread = timeit(fn, x, ws)
-            rec = dict(row, impl=impl, group_size=group_size, median_us=round(median, 2),
+        x32 = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+        xs = {dtype: x32.astype(jnp.dtype(dtype)) for dtype in ("float16", "bfloat16")}
+        for v in variants:
+            impl, dtype, group_size = VARIANTS[v]
+            x, ws = xs[dtype], sets[v]
+            median, spread = timeit(FUNCTIONS[impl], x, ws)
+            rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
+                       group_size=group_size, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
             if impl == "jax_marlin":
-                w = ws[0]
-                moved = w.nbytes + 2 * m * k + 2 * m * n
+                moved = ws[0].nbytes + x.dtype.itemsize * (m * k + m * n)
                 rec["tbps"] = round(moved / (median * 1e-6) / 1e12, 3)
-                y = fn(x, ws[:1])[0]
-                ref = jm.reference.matmul(x, w).astype(jnp.float32)
-                rec["rel_err"] = float(jnp.linalg.norm(y.astype(jnp.float32) - ref)
-                                       / jnp.linalg.norm(ref))
+                rec["rel_err"] = rel_err(x, ws[0])
             records.append(rec)
             log(rec)
     del sets
@@ -157,7 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 layers, m in {1, 16, 64}")
     parser.add_argument("--layers", nargs="*", help="subset of layers")
     parser.add_argument("--ms", nargs="*", type=int, help="subset of m")
-    parser.add_argument("--impls", nargs="*", choices=IMPLS, default=IMPLS)
+    parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=list(VARIANTS),
+                        help="variants to run, or aliases: " + "; ".join(
+                            f"{a} = {' '.join(v)}" for a, v in ALIASES.items()))
     parser.add_argument("--out", help="results JSON, rewritten after every layer")
     args = parser.parse_args(argv)
 
@@ -166,21 +211,23 @@ def main(argv=None) -> int:
         return 2
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
     ms = args.ms or (QUICK_MS if args.quick else MS)
+    variants = expand(args.impls)
 
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__,
                   date=datetime.date.today().isoformat(),
-                  method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS),
+                  method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS,
+                              rel_err="against x @ dequantize(w) in float32, unrounded"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
     print(f"{result['gpu']}  jax {result['jax']}  copy {result['copy_tbps']} TB/s", flush=True)
 
     def log(rec):
         extra = f"{rec['tbps']:6.2f} TB/s  err {rec['rel_err']:.1e}" if rec["tbps"] else ""
-        print(f"{rec['layer']:12s} m={rec['m']:5d} {rec['impl']:10s} g={str(rec['group_size']):4s} "
+        print(f"{rec['layer']:12s} m={rec['m']:5d} {rec['variant']:21s}"
               f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
 
     for name in layers:
-        bench_layer(name, ms, args.impls, result["records"], log)
+        bench_layer(name, ms, variants, result["records"], log)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -3,10 +3,25 @@
 # GPU tests, check the kernel with compute-sanitizer, and benchmark.
 #
 #   benchmarks/gpu_session.sh [stage ...]   stages, run in this order: build tests graphs
-#                                           quick bench flax full evict sanitize
-#                                           (default: build tests quick; bench takes $BENCH_ARGS)
+#                                           quick formats reduction bench flax full evict
+#                                           sanitize (default: build tests quick)
 #
-# Logs and results go to $OUT (the device tool's output folder) or ./gpu-out.
+#   tests      the pytest suite ($TESTS: which files, default tests/); about 450 GPU cases
+#   quick      bench_matmul.py --quick, every variant
+#   formats    issue 6: bf16 and the fp16 group sizes against g128 and XLA's fp16/bf16
+#              dots, 3 layers x m in {1, 16, 64} -> formats.json
+#   reduction  issue 6: fp16 g128 over every layer and m (-> reduction.json; $REDUCTION_ARGS
+#              narrows it, e.g. "--layers 70b.qkv 70b.down"), then its time against
+#              results/h200-2026-12-02.json (the fp16 reduction) per (layer, m)
+#   bench      bench_matmul.py $BENCH_ARGS
+#   full       every layer, m and variant (more than one device call's 600 s: split it
+#              with bench and --layers)
+#   sanitize   compute-sanitizer ($SANITIZE_TOOL, default memcheck; initcheck also finds
+#              reads of the kernel's fp32 scratch before any block wrote them) over
+#              benchmarks/sanitize_cases.py, limited to $SANITIZE_TIMEOUT seconds (240)
+#
+# Logs and results go to $OUT (the device tool's output folder) or ./gpu-out. The device
+# tool returns at most 8 files: formats and reduction share one log, issue6.log.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -37,8 +52,12 @@ if has tests; then
   step tests
   # From /tmp so that the installed package, not the source tree, is imported.
   (cd /tmp && python3 -m pytest -q -rs -s "$OLDPWD/${TESTS:-tests}" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
-  grep -E "gpu rel err" "$OUT/tests.log" | sort -t: -k2 -g | tail -5
-  tail -5 "$OUT/tests.log"
+  for dtype in float16 bfloat16; do  # largest errors against float64, per dtype
+    grep -E "gpu rel err $dtype " "$OUT/tests.log" | sort -t: -k2 -g | tail -3
+  done
+  grep -E "gpu-vs-cpu diff" "$OUT/tests.log" | sort -t: -k2 -g | tail -2
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
+  tail -3 "$OUT/tests.log"
 fi
 
 if has graphs; then
@@ -55,6 +74,24 @@ fi
 if has quick; then
   step benchmark --quick
   python3 benchmarks/bench_matmul.py --quick --out "$OUT/quick.json" 2>&1 | tee "$OUT/quick.log" | tail -40
+fi
+
+if has formats; then
+  step "issue 6 formats: bf16 g128 and fp16 g-1/g64/g32 against g128 and XLA's dots"
+  python3 benchmarks/bench_matmul.py --quick --impls formats --out "$OUT/formats.json" \
+    >> "$OUT/issue6.log" 2>&1
+  echo "exit $?, $(grep -c ' us ' "$OUT/issue6.log") rows logged"
+  grep -E "jax_marlin_(bf16_g128|g32) " "$OUT/issue6.log" | tail -6
+fi
+
+if has reduction; then
+  step "issue 6 fp32 reduction: fp16 g128 against results/h200-2026-12-02.json"
+  python3 benchmarks/bench_matmul.py --impls jax_marlin_g128 ${REDUCTION_ARGS:-} \
+    --out "$OUT/reduction.json" >> "$OUT/issue6.log" 2>&1
+  echo "exit $?"
+  python3 benchmarks/report.py --compare benchmarks/results/h200-2026-12-02.json \
+    "$OUT/reduction.json" --impl jax_marlin_g128 >> "$OUT/issue6.log" 2>&1
+  tail -7 "$OUT/issue6.log"
 fi
 
 if has bench; then
@@ -87,8 +124,10 @@ if has evict; then
 fi
 
 if has sanitize; then
-  step compute-sanitizer memcheck on the Marlin kernels
-  timeout ${SANITIZE_TIMEOUT:-120} compute-sanitizer --tool memcheck --kernel-name kns=Marlin --error-exitcode 9 \
-    python3 benchmarks/sanitize_cases.py > "$OUT/sanitize.log" 2>&1
-  echo "exit $?"; grep -c True "$OUT/sanitize.log"; tail -3 "$OUT/sanitize.log"
+  tool=${SANITIZE_TOOL:-memcheck}
+  step "compute-sanitizer $tool on the Marlin kernels"
+  # exit 9: the sanitizer found errors; 1: an output kept NaN (unwritten); 124: timeout.
+  timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool "$tool" --kernel-name kns=Marlin \
+    --error-exitcode 9 python3 benchmarks/sanitize_cases.py > "$OUT/sanitize.log" 2>&1
+  echo "exit $?"; grep -c ": ok$" "$OUT/sanitize.log"; tail -3 "$OUT/sanitize.log"
 fi

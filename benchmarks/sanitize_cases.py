@@ -1,16 +1,65 @@
-"""Runs jm.matmul on the GPU over every tile configuration and awkward batch
-sizes, for compute-sanitizer (benchmarks/gpu_session.sh, stage 'sanitize')."""
+"""Runs the Marlin kernel over every tile configuration, both dtypes, every
+group size, a fused bias, padded odd shapes and awkward batch sizes, for
+compute-sanitizer (benchmarks/gpu_session.sh, stage 'sanitize').
+
+Outputs are poisoned with NaN before each run, so a non-finite result marks an
+element the kernel did not write; the script exits 1 if any case has one.
+"""
+
+import sys
 
 import jax
 import jax.numpy as jnp
 
 import jax_marlin as jm
+from jax_marlin.primitive import _bind
+
+F16, BF16 = jnp.float16, jnp.bfloat16
+# m: 1 (small tiles), 17 (large tiles, partial 16-row block), 65 (a 64-row
+# launch and a 1-row one), 100 and 1057 (parallel 64-row blocks, par > 1).
+SMALL_LARGE = [1, 17, 65, 1024 + 33]
+CASES = [  # (k, n, group_size, dtype, bias, ms)
+    # every tile configuration in float16, g128 and g-1 (the cases of v1)
+    (1024, 1024, 128, F16, False, SMALL_LARGE),
+    (1024, 1152, 128, F16, False, SMALL_LARGE),
+    (1024, 1088, -1, F16, False, SMALL_LARGE),
+    (1088, 1024, -1, F16, False, SMALL_LARGE),
+    (1088, 1152, -1, F16, False, SMALL_LARGE),
+    (4096, 1024, 128, F16, False, SMALL_LARGE),
+    # bfloat16 on 128- and 64-deep tiles
+    (1024, 1024, 128, BF16, False, [1, 65, 1024 + 33]),
+    (1088, 1152, -1, BF16, False, [1, 17, 65]),
+    # group sizes 32 and 64 on 128- and 64-deep tiles, both dtypes
+    (1024, 1152, 32, F16, False, [1, 17, 1024 + 33]),
+    (1088, 1024, 64, F16, False, [1, 65]),
+    (1088, 1152, 32, BF16, False, [1, 65]),
+    (1024, 1088, 64, BF16, False, [17]),
+    # fused bias, on a kernel shape and on odd shapes that quantize pads
+    (1024, 1088, 128, F16, True, [1, 65]),
+    (1000, 576, 128, BF16, True, [1, 17, 100]),
+    (4100, 130, -1, F16, True, [1, 33]),
+    (576, 1000, 64, F16, False, [16, 1024 + 33]),
+]
+
+
+@jax.jit
+def run(x, w, bias):
+    return _bind(x, w, bias=bias, poison_output=True)
+
 
 key = jax.random.key(0)
-for k, n, group_size in [(1024, 1024, 128), (1024, 1152, 128), (1024, 1088, -1),
-                         (1088, 1024, -1), (1088, 1152, -1), (4096, 1024, 128)]:
-    w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size)
-    for m in [1, 17, 65, 1024 + 33]:  # small tiles, large tiles, partial blocks, par > 1
-        x = jax.random.normal(key, (m, k), jnp.float16)
-        y = jax.block_until_ready(jax.jit(jm.matmul)(x, w))
-        print(k, n, group_size, m, bool(jnp.isfinite(y).all()), flush=True)
+bad = 0
+total = 0
+for k, n, group_size, dtype, with_bias, ms in CASES:
+    w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
+    bias = jax.random.normal(key, (n,), dtype) if with_bias else None
+    for m in ms:
+        x = jax.random.normal(key, (m, k), dtype)
+        y = jax.block_until_ready(run(x, w, bias))
+        finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
+        bad += not finite
+        total += 1
+        print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name}{' bias' if with_bias else ''} "
+              f"m={m}: {'ok' if finite else 'NOT FINITE'}", flush=True)
+print(f"{total} cases, {bad} with NaN or inf in the output")
+sys.exit(1 if bad else 0)
