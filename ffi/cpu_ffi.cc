@@ -1,9 +1,12 @@
 // XLA FFI handler for jax_marlin_matmul on the CPU: the same buffers and the
 // same packed layout as the CUDA kernel, so everything but GPU speed can be
 // tested without a GPU. Each 64-column slice of the weight is dequantized from
-// the Marlin layout into an fp32 panel, multiplied in fp32 and rounded to fp16
-// once. Slices are spread over threads; every output element is computed by
-// one thread in a fixed order, so results are deterministic.
+// the Marlin layout into an fp32 panel and multiplied in fp32; the per-column
+// scale and the bias are applied in fp32 and the result is rounded to the
+// output dtype (float16 or bfloat16) once. Slices are spread over threads;
+// every output element is computed by one thread in a fixed order, so results
+// are deterministic. The workspace and reduce_scratch results exist for the
+// CUDA kernel and are left untouched here.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -50,6 +53,33 @@ uint16_t float_to_half(float f) {
   return sign | uint16_t((magnitude - (112u << 23)) >> 13);
 }
 
+// bfloat16 is the top half of a float32.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as the GPU's __float2bfloat16 does; a NaN stays a
+// (quiet) NaN instead of rounding into the infinity next to it.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// x, scales and bias (all of the call's one dtype) widened to fp32.
+void widen(const void *src, bool bf16, int64_t count, float *dst) {
+  const uint16_t *h = static_cast<const uint16_t *>(src);
+  if (bf16)
+    for (int64_t i = 0; i < count; ++i) dst[i] = bf16_to_float(h[i]);
+  else
+    for (int64_t i = 0; i < count; ++i) dst[i] = half_to_float(h[i]);
+}
+
 // Marlin's scale permutations (jax_marlin/packing.py): the stored scale at
 // position t of each chunk is the logical scale perm[t] of that chunk.
 // Grouped scales use chunks of 64 columns, per-column scales chunks of 32.
@@ -77,11 +107,13 @@ constexpr int kRows = 4, kCols = 16;  // register block of the multiply
 typedef float Vec8 __attribute__((vector_size(32)));
 
 struct Problem {
-  const float *x;        // [m, k]
+  const float *x;          // [m, k]
   const int32_t *qweight;  // [k / 16, 2 n]
-  const float *scales;   // [groups, n], logical (unpermuted) order
-  uint16_t *y;           // [m, n]
+  const float *scales;     // [groups, n], logical (unpermuted) order
+  const float *bias;       // [n], or null for no bias
+  uint16_t *y;             // [m, n], float16 or bfloat16 bits
   int64_t m, n, k, group_size;
+  bool bf16;
 };
 
 // On x86-64 also compile an AVX2+FMA version of the hot loop, picked at load
@@ -141,42 +173,51 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
       for (int r = 0; r < rows; ++r) {
         uint16_t *out = p.y + (i + r) * n + kSlice * c + j0;
         for (int j = 0; j < kCols; ++j) {
+          const int64_t col = kSlice * c + j0 + j;
           float v = block[r][j];
-          if (!grouped) v *= p.scales[kSlice * c + j0 + j];
-          out[j] = float_to_half(v);
+          if (!grouped) v *= p.scales[col];
+          if (p.bias) v += p.bias[col];
+          out[j] = p.bf16 ? float_to_bf16(v) : float_to_half(v);
         }
       }
     }
   }
 }
 
-ffi::Error MatmulCpu(ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::S32, 2> qweight,
-                     ffi::Buffer<ffi::F16, 2> scales, ffi::ResultBuffer<ffi::F16> y,
-                     ffi::ResultBuffer<ffi::S32, 1> workspace, int64_t group_size,
+ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::AnyBuffer scales,
+                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::ResultBuffer<ffi::S32, 1> workspace,
+                     ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
                      bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, *y, *workspace, group_size);
+  auto dims = check_matmul(x, qweight, scales, bias, *y, *workspace, *reduce_scratch, group_size);
   if (dims.has_error()) return dims.error();
   const int64_t m = dims->m, n = dims->n, k = dims->k;
-  uint16_t *out = y->typed_data();
-  if (poison_output) std::fill(out, out + m * n, uint16_t(0x7e00u));  // fp16 NaN
+  const bool bf16 = dims->bf16;
+  uint16_t *out = static_cast<uint16_t *>(y->untyped_data());
+  // The dtype's quiet NaN.
+  if (poison_output) std::fill(out, out + m * n, uint16_t(bf16 ? 0x7fc0u : 0x7e00u));
   if (m == 0) return ffi::Error::Success();
 
   std::vector<float> xf(static_cast<size_t>(m * k));
-  const uint16_t *xh = x.typed_data();
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = half_to_float(xh[i]);
+  widen(x.untyped_data(), bf16, m * k, xf.data());
+  std::vector<float> bf;
+  if (dims->has_bias) {
+    bf.resize(static_cast<size_t>(n));
+    widen(bias.untyped_data(), bf16, n, bf.data());
+  }
 
   static const ScalePerms perms;
   const int64_t groups = scales.dimensions()[0];
   const int chunk = group_size == -1 ? 32 : 64;
   const int *perm = group_size == -1 ? perms.per_column : perms.grouped;
-  std::vector<float> sf(static_cast<size_t>(groups * n));
-  const uint16_t *sh = scales.typed_data();
+  std::vector<float> stored(static_cast<size_t>(groups * n)), sf(stored.size());
+  widen(scales.untyped_data(), bf16, groups * n, stored.data());
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t base = 0; base < n; base += chunk)
-      for (int t = 0; t < chunk; ++t)
-        sf[g * n + base + perm[t]] = half_to_float(sh[g * n + base + t]);
+      for (int t = 0; t < chunk; ++t) sf[g * n + base + perm[t]] = stored[g * n + base + t];
 
-  const Problem p{xf.data(), qweight.typed_data(), sf.data(), out, m, n, k, group_size};
+  const Problem p{xf.data(), qweight.typed_data(), sf.data(), bf.empty() ? nullptr : bf.data(),
+                  out, m, n, k, group_size, bf16};
   const int64_t slices = n / kSlice;
   // Threads only when there is work for them: about 2^22 multiply-adds each.
   const int64_t useful = std::max<int64_t>(1, m * n * k >> 22);

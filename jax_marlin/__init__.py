@@ -1,24 +1,27 @@
 """jax-marlin: the Marlin FP16xINT4 GEMM for JAX.
 
     import jax_marlin as jm
-    w = jm.quantize(weight, group_size=128)   # weight [k, n] float
-    y = jm.matmul(x, w)                       # x [..., k] float16 -> [..., n] float16
+    w = jm.quantize(weight, group_size=128)   # weight [k, n] float -> 4 bits, float16 scales
+    y = jm.matmul(x, w, bias=b)               # x [..., k] float16 -> [..., n] float16
 """
 
 from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
 from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
 from jax_marlin.primitive import matmul
+from jax_marlin.shapes import GROUP_SIZES, padded_shape
 from jax_marlin.sharding import shard_weight, weight_specs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GROUP_SIZES",
     "HAS_CUDA",
     "MarlinWeight",
     "dequantize",
     "matmul",
     "pack",
+    "padded_shape",
     "quantize",
     "reference",
     "shard_weight",

@@ -2,7 +2,7 @@
 
 Layout (bit-identical to the reference Marlin ``Layer.pack``):
 
-* ``qweight``: int32 ``[k // 16, 2 n]``. Row ``tk`` holds weight rows
+* ``qweight``: int32 ``[k_pad // 16, 2 n_pad]``. Row ``tk`` holds weight rows
   ``16 tk .. 16 tk + 15``. The 16x16 tiles of that row band are taken four at a
   time along n (64 columns, 1024 nibbles, 128 int32 words); word ``4 lane + j``
   of such a chunk holds the 8 values that tensor-core lane ``lane`` needs from
@@ -11,19 +11,32 @@ Layout (bit-identical to the reference Marlin ``Layer.pack``):
   yields a ``half2`` pair. Nibble ``p`` of that word is the weight at tile row
   ``2 (lane % 4) + (p >= 4) + 8 (p & 1)`` and tile column
   ``lane // 4 + 8 ((p >> 1) & 1)``. Values are unsigned 0..15 with zero point 8.
-* ``scales``: float16 ``[k // group_size, n]`` (``[1, n]`` for
-  ``group_size == -1``), each run of 64 columns permuted so that a thread reads
-  the scales of its fragment with one 16-byte load (8x8 transpose), or, per
-  column, each run of 32 permuted to match the epilogue's output fragment.
+* ``scales``: float16 or bfloat16 (the dtype the matmul runs in)
+  ``[k_pad // group_size, n_pad]`` (``[1, n_pad]`` for ``group_size == -1``),
+  each run of 64 columns permuted so that a thread reads the scales of its
+  fragment with one 16-byte load (8x8 transpose; the same for group sizes 32,
+  64 and 128), or, per column, each run of 32 permuted to match the
+  epilogue's output fragment.
 
-Everything here is written in ``jax.numpy`` with reshapes and transposes (no
-gathers, no Python loops over elements), so it is fast on large weights and
-traceable: ``jax.eval_shape(quantize, w)`` allocates nothing.
+Padding. A ``[k, n]`` weight of any shape is stored as the smallest
+``[k_pad, n_pad]`` the kernel runs (``shapes.padded_shape``; the same shape
+when it already runs). Padded rows and columns hold exactly zero: ``q = 8`` (the
+zero point) with scale 0. A partial last group of rows gets its scale from its
+real rows only. ``jm.matmul`` pads ``x`` with zeros along k and drops the
+padded columns of ``y``; ``unpack`` and ``dequantize`` return the logical
+``[k, n]``.
+
+Everything here is written in ``jax.numpy`` with reshapes, transposes and pads
+(no gathers, no Python loops over elements), so it is fast on large weights
+and traceable: ``jax.eval_shape(quantize, w)`` allocates nothing. The array
+work of each function is one ``jit`` (checks stay outside it), so an eager
+call compiles once per shape rather than once per operation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -44,12 +57,16 @@ class MarlinWeight:
     """A ``[k, n]`` weight quantized to 4 bits, packed for the Marlin kernel.
 
     Attributes:
-      qweight: int32 ``[k // 16, 2 n]``, 8 nibbles per word in Marlin's layout.
-      scales: float16 ``[k // group_size, n]`` (``[1, n]`` for ``group_size=-1``),
-        in Marlin's permuted column order.
-      k, n: logical weight shape (static).
-      group_size: rows of k sharing one scale, or -1 for one scale per column
-        (static).
+      qweight: int32 ``[k_pad // 16, 2 n_pad]``, 8 nibbles per word in Marlin's
+        layout.
+      scales: float16 or bfloat16 ``[k_pad // group_size, n_pad]`` (``[1, n_pad]``
+        for ``group_size=-1``), in Marlin's permuted column order. Their dtype
+        is the dtype ``jm.matmul`` takes and returns.
+      k, n: logical weight shape (static); ``k_pad``, ``n_pad`` (from
+        ``qweight.shape``) are the padded sizes the kernel sees, equal to
+        ``k``, ``n`` for shapes the kernel runs as they are.
+      group_size: rows of k sharing one scale (32, 64 or 128), or -1 for one
+        scale per column (static).
 
     A pytree: ``qweight`` and ``scales`` are leaves, ``k``, ``n`` and
     ``group_size`` are static metadata, so a ``MarlinWeight`` passes through
@@ -68,12 +85,37 @@ class MarlinWeight:
         return (self.k, self.n)
 
     @property
+    def k_pad(self) -> int:
+        """Rows of the packed weight, ``16 * qweight.shape[-2]``: ``k`` padded."""
+        return int(self.qweight.shape[-2]) * shapes.TILE
+
+    @property
+    def n_pad(self) -> int:
+        """Columns of the packed weight, ``qweight.shape[-1] // 2``: ``n`` padded."""
+        return int(self.qweight.shape[-1]) // 2
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """The physical shape ``(k_pad, n_pad)`` the kernel multiplies by."""
+        return (self.k_pad, self.n_pad)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The scales' dtype: what ``jm.matmul`` takes as ``x`` and returns."""
+        return np.dtype(self.scales.dtype)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of ``qweight`` plus ``scales``."""
-        return int(np.prod(self.qweight.shape)) * 4 + int(np.prod(self.scales.shape)) * 2
+        return (int(np.prod(self.qweight.shape)) * 4 +
+                int(np.prod(self.scales.shape)) * np.dtype(self.scales.dtype).itemsize)
 
     def __repr__(self) -> str:
-        return (f"MarlinWeight(k={self.k}, n={self.n}, group_size={self.group_size}, "
+        padded = ""
+        q_shape = getattr(self.qweight, "shape", None)
+        if q_shape is not None and len(q_shape) >= 2 and self.padded_shape != self.shape:
+            padded = f", padded to [{self.k_pad}, {self.n_pad}]"
+        return (f"MarlinWeight(k={self.k}, n={self.n}, group_size={self.group_size}{padded}, "
                 f"qweight={_describe(self.qweight)}, scales={_describe(self.scales)})")
 
 
@@ -91,6 +133,17 @@ def _is_concrete(a) -> bool:
 
 def _group_rows(k: int, group_size: int) -> int:
     return k if group_size == -1 else group_size
+
+
+def _scale_dtype(dtype, source_dtype) -> np.dtype:
+    """``dtype`` if given, else ``source_dtype`` when it is float16/bfloat16, else float16."""
+    if dtype is None:
+        source_dtype = np.dtype(source_dtype)
+        return source_dtype if source_dtype in shapes.DTYPES else np.dtype(np.float16)
+    dtype = np.dtype(dtype)
+    if dtype not in shapes.DTYPES:
+        raise TypeError(f"dtype = {dtype.name}: the kernel runs in float16 or bfloat16")
+    return dtype
 
 
 # --- the weight layout -------------------------------------------------------
@@ -148,61 +201,97 @@ def _unpermute_scales(scales: jax.Array, group_size: int) -> jax.Array:
 # --- public API ----------------------------------------------------------------
 
 
-def pack(q, scales, group_size: int = 128) -> MarlinWeight:
+def pack(q, scales, group_size: int = 128, dtype=None) -> MarlinWeight:
     """Packs 4-bit values and their scales into a :class:`MarlinWeight`.
 
     Args:
       q: ``[k, n]`` integers in 0..15 with zero point 8 (value ``q - 8``),
-        in the Flax kernel layout (in_features x out_features).
-      scales: ``[k // group_size, n]`` (``[1, n]`` for ``group_size=-1``), in
-        natural (unpermuted) column order; stored as float16.
-      group_size: 128, or -1 for one scale per column.
+        in the Flax kernel layout (in_features x out_features); any ``k``, ``n``.
+      scales: ``[ceil(k / group_size), n]`` (``[1, n]`` for ``group_size=-1``),
+        in natural (unpermuted) column order; a partial last group of rows has
+        its own row.
+      group_size: 32, 64, 128, or -1 for one scale per column.
+      dtype: float16 or bfloat16, the dtype of the stored scales and of the
+        matmul; ``None`` keeps ``scales.dtype`` if it is one of them, else
+        float16.
 
     The weight represented is ``(q - 8) * scales`` broadcast over each group
-    of rows. Concrete inputs are range-checked; traced ``q`` must already lie
-    in 0..15.
+    of rows, padded with zeros to ``shapes.padded_shape(k, n, group_size)``.
+    Concrete inputs are range-checked; traced ``q`` must already lie in 0..15.
     """
     q = jnp.asarray(q)
     scales = jnp.asarray(scales)
     if q.ndim != 2:
         raise ValueError(f"q must be 2-D [k, n], got shape {q.shape}")
     k, n = q.shape
-    shapes.check_layer(k, n, group_size)
+    k_pad, n_pad = shapes.padded_shape(k, n, group_size)
     if not jnp.issubdtype(q.dtype, jnp.integer):
         raise TypeError(f"q.dtype is {q.dtype}; pack takes integers in 0..15")
     expected = (shapes.num_groups(k, group_size), n)
     if scales.shape != expected:
         raise ValueError(f"scales.shape = {scales.shape}, expected {expected} for "
                          f"[k, n] = [{k}, {n}] and group_size = {group_size}")
+    dtype = _scale_dtype(dtype, scales.dtype)
     if _is_concrete(q):
         lo, hi = int(q.min()), int(q.max())
         if lo < 0 or hi > _MAXQ:
             raise ValueError(f"q holds values in [{lo}, {hi}]; 4-bit values must lie in 0..15")
-    return MarlinWeight(
-        qweight=_pack_nibbles(q),
-        scales=_permute_scales(scales.astype(jnp.float16), group_size),
-        k=k, n=n, group_size=group_size,
-    )
+    qweight, scales = _pack(q, scales, k_pad, n_pad, group_size, dtype)
+    return MarlinWeight(qweight, scales, k=k, n=n, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _pack(q, scales, k_pad, n_pad, group_size, dtype):
+    k, n = q.shape
+    q = jnp.pad(q.astype(jnp.uint8), ((0, k_pad - k), (0, n_pad - n)),
+                constant_values=_ZERO_POINT)
+    groups_pad = shapes.num_groups(k_pad, group_size)
+    scales = jnp.pad(scales.astype(dtype), ((0, groups_pad - scales.shape[0]), (0, n_pad - n)))
+    return _pack_nibbles(q), _permute_scales(scales, group_size)
+
+
+def _unpack_padded(qweight, scales, group_size):
+    """``(q [k_pad, n_pad] uint8, scales [k_pad // g, n_pad])`` in natural order."""
+    k_pad, n_pad = qweight.shape[0] * shapes.TILE, qweight.shape[1] // 2
+    return _unpack_nibbles(qweight, k_pad, n_pad), _unpermute_scales(scales, group_size)
 
 
 def unpack(w: MarlinWeight) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`pack`: ``(q [k, n] int32 in 0..15, scales [groups, n] float16)``."""
+    """Inverse of :func:`pack`, on the logical shape.
+
+    Returns ``(q [k, n] int32 in 0..15, scales [ceil(k / group_size), n])``
+    (``[1, n]`` for -1), the scales in their stored dtype and natural order.
+    """
     _check_weight(w)
-    q = _unpack_nibbles(w.qweight, w.k, w.n).astype(jnp.int32)
-    return q, _unpermute_scales(w.scales, w.group_size)
+    return _unpack(w.qweight, w.scales, w.k, w.n, w.group_size)
 
 
-def quantize(weight, group_size: int = 128) -> MarlinWeight:
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _unpack(qweight, scales, k, n, group_size):
+    q, scales = _unpack_padded(qweight, scales, group_size)
+    return q[:k, :n].astype(jnp.int32), scales[:shapes.num_groups(k, group_size), :n]
+
+
+def quantize(weight, group_size: int = 128, dtype=None) -> MarlinWeight:
     """Round-to-nearest symmetric 4-bit quantization of a ``[k, n]`` weight.
 
     Each group of ``group_size`` rows (all k rows for ``group_size=-1``) of each
-    column gets the float16 scale ``max|w| / 7.5``, so values map to
+    column gets the scale ``max|w| / 7.5``, so values map to
     ``round(w / scale) + 8`` clipped to 0..15: the largest magnitude lands on
     -8 or +7 with at most half a step of error, like everywhere else.
 
+    Any ``k``, ``n``: the weight is padded with zeros to
+    ``shapes.padded_shape(k, n, group_size)`` (unchanged when the kernel runs
+    it as it is). Zeros never raise a group's ``max|w|``, so a partial last
+    group's scale comes from its real rows only; an all-zero group gets scale
+    0 and ``q = 8``.
+
     Args:
       weight: ``[k, n]`` float array in the Flax kernel layout (in x out).
-      group_size: 128, or -1 for one scale per column.
+      group_size: 32, 64, 128, or -1 for one scale per column.
+      dtype: float16 or bfloat16: the dtype of the scales, and so of the
+        activations ``jm.matmul`` takes and returns. ``None``: ``weight.dtype``
+        if it is one of these, else float16.
     """
     w = jnp.asarray(weight)
     if w.ndim != 2:
@@ -210,44 +299,65 @@ def quantize(weight, group_size: int = 128) -> MarlinWeight:
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"weight.dtype is {w.dtype}; quantize takes a float weight")
     k, n = w.shape
-    shapes.check_layer(k, n, group_size)
+    k_pad, n_pad = shapes.padded_shape(k, n, group_size)
+    dtype = _scale_dtype(dtype, w.dtype)
     if _is_concrete(w) and not bool(jnp.isfinite(w).all()):
         raise ValueError("weight contains inf or NaN")
-    g = _group_rows(k, group_size)
-    w = w.astype(jnp.float32).reshape(k // g, g, n)
+    qweight, scales = _quantize(w, k_pad, n_pad, group_size, dtype)
+    return MarlinWeight(qweight, scales, k=k, n=n, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(w, k_pad, n_pad, group_size, dtype):
+    k, n = w.shape
+    g = _group_rows(k_pad, group_size)
+    w = jnp.pad(w.astype(jnp.float32), ((0, k_pad - k), (0, n_pad - n)))
+    w = w.reshape(k_pad // g, g, n_pad)
     absmax = jnp.max(jnp.abs(w), axis=1)
-    scales = jnp.minimum(absmax / ((_MAXQ + 1) / 2 - 0.5), jnp.finfo(jnp.float16).max)
-    scales = scales.astype(jnp.float16)
+    scales = jnp.minimum(absmax / ((_MAXQ + 1) / 2 - 0.5), jnp.finfo(dtype).max).astype(dtype)
     s = scales.astype(jnp.float32)
     s = jnp.where(s == 0, 1.0, s)[:, None, :]  # all-zero group: any scale, q = 8
-    q = jnp.clip(jnp.round(w / s) + _ZERO_POINT, 0, _MAXQ).astype(jnp.uint8).reshape(k, n)
-    return MarlinWeight(
-        qweight=_pack_nibbles(q),
-        scales=_permute_scales(scales, group_size),
-        k=k, n=n, group_size=group_size,
-    )
+    q = jnp.clip(jnp.round(w / s) + _ZERO_POINT, 0, _MAXQ).astype(jnp.uint8)
+    return _pack_nibbles(q.reshape(k_pad, n_pad)), _permute_scales(scales, group_size)
 
 
-def dequantize(w: MarlinWeight, dtype=jnp.float16) -> jax.Array:
-    """The weight a :class:`MarlinWeight` represents, ``[k, n]`` in ``dtype``.
+def dequantize(w: MarlinWeight, dtype=None) -> jax.Array:
+    """The weight a :class:`MarlinWeight` represents, ``[k, n]`` (logical) in ``dtype``.
 
-    ``(q - 8) * scale`` is exact in float32 (a 4-bit integer times a float16),
-    so ``dtype=jnp.float32`` gives the exact values the kernel multiplies by.
+    ``dtype=None`` gives the scales' dtype. ``(q - 8) * scale`` is exact in
+    float32 (a 4-bit integer times a float16 or bfloat16), so
+    ``dtype=jnp.float32`` gives the exact values the kernel multiplies by.
     """
-    q, scales = unpack(w)
-    g = _group_rows(w.k, w.group_size)
-    vals = (q.astype(jnp.float32) - _ZERO_POINT).reshape(w.k // g, g, w.n)
-    return (vals * scales.astype(jnp.float32)[:, None, :]).reshape(w.k, w.n).astype(dtype)
+    _check_weight(w)
+    return _dequantize(w.qweight, w.scales, w.k, w.n, w.group_size,
+                       w.dtype if dtype is None else np.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _dequantize(qweight, scales, k, n, group_size, dtype):
+    q, scales = _unpack_padded(qweight, scales, group_size)
+    k_pad, n_pad = q.shape
+    g = _group_rows(k_pad, group_size)
+    vals = (q.astype(jnp.float32) - _ZERO_POINT).reshape(k_pad // g, g, n_pad)
+    full = (vals * scales.astype(jnp.float32)[:, None, :]).reshape(k_pad, n_pad)
+    return full[:k, :n].astype(dtype)
 
 
 def _check_weight(w) -> None:
+    """Raises unless ``w`` is a consistent :class:`MarlinWeight` the kernel runs."""
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"expected a jax_marlin.MarlinWeight, got {type(w).__name__}")
-    shapes.check_layer(w.k, w.n, w.group_size)
+    shapes.padded_shape(w.k, w.n, w.group_size)  # valid logical sizes and group size
     q_shape = tuple(w.qweight.shape)
     s_shape = tuple(w.scales.shape)
-    if q_shape != (w.k // 16, 2 * w.n):
-        raise ValueError(f"qweight.shape = {q_shape}, expected {(w.k // 16, 2 * w.n)}")
-    expected_s = (shapes.num_groups(w.k, w.group_size), w.n)
+    if len(q_shape) != 2 or q_shape[1] % 2:
+        raise ValueError(f"qweight.shape = {q_shape}, expected [k_pad // 16, 2 n_pad]")
+    if w.k_pad < w.k or w.n_pad < w.n:
+        raise ValueError(f"qweight.shape = {q_shape} packs [k_pad, n_pad] = "
+                         f"[{w.k_pad}, {w.n_pad}], smaller than the weight's "
+                         f"[k, n] = [{w.k}, {w.n}]")
+    shapes.check_layer(w.k_pad, w.n_pad, w.group_size)
+    expected_s = (shapes.num_groups(w.k_pad, w.group_size), w.n_pad)
     if s_shape != expected_s:
-        raise ValueError(f"scales.shape = {s_shape}, expected {expected_s}")
+        raise ValueError(f"scales.shape = {s_shape}, expected {expected_s} for "
+                         f"[k_pad, n_pad] = [{w.k_pad}, {w.n_pad}], group_size = {w.group_size}")

@@ -10,9 +10,11 @@ from jax_marlin.packing import MarlinWeight, dequantize
 __all__ = ["matmul"]
 
 
-def matmul(x, w: MarlinWeight) -> jax.Array:
-    """``x [..., k] @ dequantize(w) [k, n]`` in float32, rounded to ``x.dtype``."""
+def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
+    """``x [..., k] @ dequantize(w) [k, n] + bias [n]`` in float32, rounded to ``x.dtype``."""
     x = jnp.asarray(x)
     y = jnp.matmul(x.astype(jnp.float32), dequantize(w, jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(x.dtype)

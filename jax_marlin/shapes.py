@@ -3,25 +3,41 @@
 The C++ side (ffi/marlin_problem.h) re-checks the same rules at run time; here
 they are raised as ``ValueError``/``TypeError`` naming the dimension, before
 anything is compiled.
+
+Two sizes per weight dimension: the *logical* ``k``, ``n`` of the user's
+``[k, n]`` weight, and the *physical* (padded) ``k_pad``, ``n_pad`` the kernel
+sees (:func:`padded_shape`). They are equal for shapes the kernel runs as they
+are.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-#: Group sizes the kernel takes: one fp16 scale per ``group_size`` rows of the
+#: Group sizes the kernel takes: one scale per ``group_size`` rows of the
 #: weight, or -1 for one scale per output column.
-GROUP_SIZES = (-1, 128)
+GROUP_SIZES = (-1, 32, 64, 128)
+
+#: Activation dtypes the kernel takes; scales, bias and the result share it.
+DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 
 TILE = 16  # the kernel's 16x16 weight tiles
-_MIN_THREAD_N = 64
+_MIN_THREAD_K = 64  # shallowest k tile
+_MIN_THREAD_N = 64  # narrowest n tile
+_WIDE = 128  # one of k, n must fill a 128 tile
 _MAX_PAR = 16
 _INT32_OFFSETS = 2**31
 
 
 def num_groups(k: int, group_size: int) -> int:
-    """Rows of ``scales``: ``k // group_size``, or 1 for ``group_size == -1``."""
-    return 1 if group_size == -1 else k // group_size
+    """Rows of ``scales`` for ``k`` rows: ``ceil(k / group_size)``, or 1 for -1.
+
+    For a physical ``k`` (a multiple of the group) this is ``k // group_size``;
+    for a logical one a partial last group has its own row.
+    """
+    return 1 if group_size == -1 else -(-k // group_size)
 
 
 def workspace_size(n: int) -> int:
@@ -29,30 +45,86 @@ def workspace_size(n: int) -> int:
     return n // _MIN_THREAD_N * _MAX_PAR
 
 
-def check_layer(k: int, n: int, group_size: int) -> None:
-    """Raises ``ValueError`` unless a ``[k, n]`` weight with this group size runs.
+def reduce_scratch_size(m: int, n: int) -> int:
+    """float32 partial sums the CUDA kernel hands between thread blocks for ``[m, n]``.
 
-    The kernel needs: ``k`` and ``n`` multiples of 64, one of them a multiple of
-    128 (its tiles are 64x256, 128x128, 128x64 or 64x128 in (k, n)), ``k`` a
-    multiple of ``group_size``, and 32-bit offsets into the packed weight.
+    One float per element of its largest launch's output: ``16 ceil(m / 16)``
+    rows, at most 16 blocks of 64 rows (ffi/marlin_problem.h).
     """
-    for name, v in (("k", k), ("n", n), ("group_size", group_size)):
+    rows = -(-m // TILE) * TILE
+    return min(rows, 64 * _MAX_PAR) * n
+
+
+def _check_ints(**values) -> None:
+    for name, v in values.items():
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+
+
+def check_group_size(group_size: int) -> None:
+    """Raises ``ValueError`` unless ``group_size`` is one of :data:`GROUP_SIZES`."""
+    _check_ints(group_size=group_size)
     if group_size not in GROUP_SIZES:
         raise ValueError(
-            f"group_size = {group_size} is not supported; the kernel takes "
-            f"group_size 128 (one scale per 128 rows of k) or -1 (one scale per column)"
+            f"group_size = {group_size} is not supported; the kernel takes group_size 32, 64 "
+            f"or 128 (one scale per that many rows of k) or -1 (one scale per column)"
         )
+
+
+def _round_up(v: int, multiple: int) -> int:
+    return -(-v // multiple) * multiple
+
+
+def padded_shape(k: int, n: int, group_size: int) -> tuple[int, int]:
+    """The smallest ``(k_pad, n_pad) >= (k, n)`` the kernel runs with this group size.
+
+    ``k_pad`` is a multiple of 64 and of ``group_size``, ``n_pad`` a multiple of
+    64, and one of them a multiple of 128; when neither is, the one whose
+    rounding up adds fewer weight elements is rounded up (``n`` on a tie,
+    which keeps ``x`` as it is). A shape the kernel runs as it is comes back
+    unchanged, so aligned layers pay nothing.
+
+    Raises ``ValueError`` for a group size the kernel does not take, sizes
+    that are not positive, or a padded weight too large for the kernel's
+    32-bit offsets.
+    """
+    _check_ints(k=k, n=n)
+    check_group_size(group_size)
     if k <= 0 or n <= 0:
         raise ValueError(f"weight shape [k, n] = [{k}, {n}] must be positive")
-    if k % 64:
+    k_pad = _round_up(k, math.lcm(_MIN_THREAD_K, max(group_size, 1)))
+    n_pad = _round_up(n, _MIN_THREAD_N)
+    if k_pad % _WIDE and n_pad % _WIDE:
+        # Both are 64 mod 128; k_pad + 64 stays a multiple of the group (the
+        # group divides 64 here, as k_pad is not a multiple of 128).
+        if n_pad < k_pad:
+            k_pad += _MIN_THREAD_K
+        else:
+            n_pad += _MIN_THREAD_N
+    check_layer(int(k_pad), int(n_pad), group_size)
+    return int(k_pad), int(n_pad)
+
+
+def check_layer(k: int, n: int, group_size: int) -> None:
+    """Raises ``ValueError`` unless the kernel runs a ``[k, n]`` weight as it is.
+
+    ``k``, ``n`` are physical sizes (see :func:`padded_shape` for any other
+    shape). The kernel needs: ``k`` and ``n`` multiples of 64, one of them a
+    multiple of 128 (its tiles are 64x256, 128x128, 128x64 or 64x128 in
+    (k, n)), ``k`` a multiple of ``group_size``, and 32-bit offsets into the
+    packed weight.
+    """
+    _check_ints(k=k, n=n)
+    check_group_size(group_size)
+    if k <= 0 or n <= 0:
+        raise ValueError(f"weight shape [k, n] = [{k}, {n}] must be positive")
+    if k % _MIN_THREAD_K:
         raise ValueError(f"k = {k} (weight.shape[0], the input features) must be a multiple of 64")
-    if n % 64:
+    if n % _MIN_THREAD_N:
         raise ValueError(f"n = {n} (weight.shape[1], the output features) must be a multiple of 64")
     if group_size != -1 and k % group_size:
         raise ValueError(f"k = {k} must be a multiple of group_size = {group_size}")
-    if k % 128 and n % 128:
+    if k % _WIDE and n % _WIDE:
         raise ValueError(
             f"k = {k} and n = {n}: one of them must be a multiple of 128 "
             f"(the kernel's tiles are 128 deep or 128 wide)"
@@ -61,23 +133,42 @@ def check_layer(k: int, n: int, group_size: int) -> None:
         raise ValueError(f"weight [k, n] = [{k}, {n}] is too large for the kernel's 32-bit offsets")
 
 
-def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
-                 *, k: int, n: int, group_size: int) -> None:
-    """Checks one ``jm.matmul`` call; raises ``TypeError``/``ValueError`` naming what is off.
+def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
+    """Checks the activation, scale and bias dtypes of one call; returns the common one.
 
-    Shapes: ``x [..., k] float16``, ``qweight [k // 16, 2 n] int32``,
-    ``scales [num_groups(k, group_size), n] float16``.
+    ``x`` must be float16 or bfloat16, the dtype of the weight's scales, and
+    of the bias when there is one. Raises ``TypeError`` naming both dtypes.
+    """
+    x_dtype, scales_dtype = np.dtype(x_dtype), np.dtype(scales_dtype)
+    if scales_dtype not in DTYPES:
+        raise TypeError(f"scales.dtype is {scales_dtype.name}, expected float16 or bfloat16")
+    if x_dtype != scales_dtype:
+        how = ("" if x_dtype not in DTYPES else
+               f", or quantize the weight with dtype=jnp.{x_dtype.name}")
+        raise TypeError(
+            f"x.dtype is {x_dtype.name} but the weight's scales are {scales_dtype.name}; "
+            f"jm.matmul runs in the weight's dtype: cast x with "
+            f"x.astype(jnp.{scales_dtype.name}){how}"
+        )
+    if bias_dtype is not None and np.dtype(bias_dtype) != x_dtype:
+        raise TypeError(f"bias.dtype is {np.dtype(bias_dtype).name} but x.dtype is "
+                        f"{x_dtype.name}; the bias must have x's dtype")
+    return x_dtype
+
+
+def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
+                 bias_shape, bias_dtype, *, k: int, n: int, group_size: int) -> None:
+    """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
+
+    Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
+    ``scales [k // group_size, n]`` (``[1, n]`` for -1) and ``bias [n]`` or
+    ``[0]`` (no bias), both in ``x``'s dtype. ``k``, ``n`` are the padded
+    sizes the kernel sees.
     """
     check_layer(k, n, group_size)
-    if np.dtype(x_dtype) != np.float16:
-        raise TypeError(
-            f"x.dtype is {np.dtype(x_dtype).name}; jm.matmul takes float16 activations "
-            f"(cast with x.astype(jnp.float16))"
-        )
+    check_dtypes(x_dtype, scales_dtype, bias_dtype)
     if np.dtype(qweight_dtype) != np.int32:
         raise TypeError(f"qweight.dtype is {np.dtype(qweight_dtype).name}, expected int32")
-    if np.dtype(scales_dtype) != np.float16:
-        raise TypeError(f"scales.dtype is {np.dtype(scales_dtype).name}, expected float16")
     if len(x_shape) < 1:
         raise ValueError("x must have at least one dimension, [..., k]")
     if x_shape[-1] != k:
@@ -91,6 +182,8 @@ def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, s
     if tuple(scales_shape) != expected_s:
         raise ValueError(f"scales.shape = {tuple(scales_shape)}, expected {expected_s} for "
                          f"k = {k}, n = {n}, group_size = {group_size}")
+    if tuple(bias_shape) not in ((n,), (0,)):
+        raise ValueError(f"bias.shape = {tuple(bias_shape)}, expected ({n},) or (0,) (no bias)")
     m = int(np.prod(x_shape[:-1], dtype=np.int64))
     if m * max(k, n) // 8 >= _INT32_OFFSETS:
         raise ValueError(f"m = {m} rows of x are too many for the kernel's 32-bit offsets "

@@ -2,20 +2,26 @@
 
 ``jm.matmul`` is a ``custom_partitioning`` op: under ``jax.jit`` with sharded
 inputs the partitioner runs the Marlin kernel on each device's shard of
-``x``, ``qweight`` and ``scales`` instead of gathering them. On one device
-nothing changes; eager calls (on sharded arrays too) and ``vmap`` work as
-before.
+``x``, ``qweight``, ``scales`` and ``bias`` instead of gathering them. On one
+device nothing changes; eager calls (on sharded arrays too) and ``vmap`` work
+as before.
 
-Layouts (``x [..., m, k] @ W [k, n] -> y [..., m, n]``; ``W`` placed with
-:func:`shard_weight`):
+Everything here is about the padded (physical) weight ``[k, n]`` = ``[k_pad,
+n_pad]`` that the kernel sees; ``jm.matmul`` pads ``x`` and the bias to it
+before this op and drops the padded columns of ``y`` after it.
+
+Layouts (``x [..., m, k] @ W [k, n] + bias [n] -> y [..., m, n]``; ``W`` placed
+with :func:`shard_weight`):
 
 * ``m`` (or any leading dimension of ``x``) sharded, data parallel: each device
   multiplies its rows; no communication.
 * ``n`` sharded, column parallel: each device holds ``W[:, n_shard]`` and
-  computes ``y[..., n_shard]``; no communication.
+  ``bias[n_shard]`` and computes ``y[..., n_shard]``; no communication.
 * ``k`` sharded, row parallel: each device holds ``W[k_shard, :]`` and the
   matching columns of ``x``, computes a partial product, and ONE all-reduce
-  (``psum`` over the mesh axes that shard ``k``) adds the partials.
+  (``psum`` over the mesh axes that shard ``k``) adds the partials. The bias
+  is added once, after the all-reduce (in float32, then rounded), not by
+  every shard's kernel.
 * Combinations on a 2-D mesh, e.g. ``m`` over ``"data"`` and ``n`` or ``k``
   over ``"model"``. A Megatron MLP (``up`` sharded on ``n``, ``down`` on ``k``
   over the same axis) runs with exactly one all-reduce.
@@ -29,16 +35,19 @@ Packed layout. A contiguous shard of ``W`` is itself a valid
   multiple of 64 columns is a column block.
 * ``scales [k // group_size, n]``: columns are permuted only within runs of 64
   (or 32, per column), so ``n``-shards of multiples of 64 are column blocks;
-  row ``g`` covers ``k`` rows ``128 g .. 128 g + 127`` (``k``-shards are whole
-  groups); per-column scales ``[1, n]`` are replicated under ``k`` sharding.
+  row ``g`` covers ``k`` rows ``g group_size .. (g + 1) group_size - 1``
+  (``k``-shards are whole groups); per-column scales ``[1, n]`` are replicated
+  under ``k`` sharding.
 
 The Shardy ``sharding_rule`` states this with compound factors: ``x``'s ``k``
 is ``(k_blocks, k_rows, k_tile)``, ``qweight`` rows are ``(k_blocks,
 k_rows)``, ``scales`` rows ``k_blocks`` (grouped); ``n`` is ``(n_chunks,
 n_cols)`` in ``scales`` and ``y`` and ``(n_chunks, n_words)`` in ``qweight``.
-Only ``k_blocks`` (``k // group_size``, or ``k // 64`` per column; a reduction
-factor) and ``n_chunks`` (``n // 64``) and the leading dimensions of ``x`` may
-be sharded; the factors inside a tile need replication.
+``bias`` is ``(n_chunks, n_cols)`` like ``y`` (a bias of shape ``[0]``, no
+bias, has a factor of its own). Only ``k_blocks`` (``k // group_size``, or
+``k // 64`` per column; a reduction factor) and ``n_chunks`` (``n // 64``) and
+the leading dimensions of ``x`` may be sharded; the factors inside a tile need
+replication.
 
 On top of the rule, the kernel must run on each shard's ``[k_local,
 n_local]``: ``n_local`` a multiple of 64, ``k_local`` a multiple of the group
@@ -51,9 +60,10 @@ the weight (``k`` first, then ``n``) and emits a ``UserWarning`` saying so.
 It never runs the kernel on a misaligned shard.
 
 Precision of the row-parallel reduction. The kernel emits each partial product
-rounded to float16 and the all-reduce adds them in float16. Adding the float16
-partials in float32 and rounding once (cast, ``psum``, cast back) would be more
-accurate and double the all-reduce bytes: the compiled program all-reduces
+rounded to float16 and the all-reduce adds them in float16 (with bfloat16
+weights: in bfloat16, 8 significant bits instead of 11, still far below the
+4-bit error). Adding the float16 partials in float32 and rounding once (cast,
+``psum``, cast back) would be more accurate and double the all-reduce bytes: the compiled program all-reduces
 ``f32[m, n]`` instead of ``f16[m, n]``, 4 m n bytes instead of 2 m n per
 reduction (64 MiB instead of 32 MiB at m = n = 4096). Measured on CPU (k = 4096
 and 8192, n = 1024, m = 16 and 256, both group sizes; the spread over these is
@@ -90,6 +100,7 @@ from jax.experimental.custom_partitioning import (
     SdyShardingRule,
     custom_partitioning,
 )
+from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_marlin import shapes
@@ -117,7 +128,7 @@ def weight_specs(spec: PartitionSpec, group_size: int) -> tuple[PartitionSpec, P
       spec: a ``PartitionSpec`` over the logical weight ``[k, n]``, e.g.
         ``P(None, "model")`` (column parallel) or ``P("model", None)`` (row
         parallel); missing trailing entries are ``None``.
-      group_size: the weight's group size, 128 or -1.
+      group_size: the weight's group size, 32, 64, 128 or -1.
 
     Returns:
       ``(P(spec[0], spec[1]), P(spec[0], spec[1]))`` for grouped scales
@@ -125,9 +136,7 @@ def weight_specs(spec: PartitionSpec, group_size: int) -> tuple[PartitionSpec, P
       ``P(None, spec[1])`` (their single row is replicated).
     """
     k_spec, n_spec = _logical_entries(spec)
-    if group_size not in shapes.GROUP_SIZES:
-        raise ValueError(f"group_size = {group_size} is not supported; expected one of "
-                         f"{shapes.GROUP_SIZES}")
+    shapes.check_group_size(group_size)
     scales_k = None if group_size == -1 else k_spec
     return PartitionSpec(k_spec, n_spec), PartitionSpec(scales_k, n_spec)
 
@@ -136,7 +145,9 @@ def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) 
     """Places ``w`` on ``mesh``, sharded over its logical ``[k, n]`` as ``spec``.
 
     Args:
-      w: a :class:`~jax_marlin.MarlinWeight` for a ``[k, n]`` weight.
+      w: a :class:`~jax_marlin.MarlinWeight` for a ``[k, n]`` weight. A padded
+        weight is split on its padded ``[k_pad, n_pad]``: the shards must fit
+        that shape.
       mesh: the device mesh.
       spec: a ``PartitionSpec`` over ``(k, n)``: ``P(None, "model")`` splits the
         output columns (column parallel), ``P("model", None)`` the input rows
@@ -146,7 +157,7 @@ def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) 
     Returns:
       A ``MarlinWeight`` whose ``qweight`` is placed with ``weight_specs(spec)[0]``
       and ``scales`` with ``weight_specs(spec)[1]``; every device's shard is a
-      valid ``MarlinWeight`` of ``[k_local, n_local]``.
+      valid ``MarlinWeight`` of ``[k_local, n_local]`` (of the padded weight).
 
     Raises:
       ValueError: an axis name is not in ``mesh``, or a shard would not run on
@@ -165,7 +176,7 @@ def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) 
     if set(k_axes) & set(n_axes):
         raise ValueError(f"spec {spec} shards both k and n over mesh axes "
                          f"{sorted(set(k_axes) & set(n_axes))}; an axis can split one dimension")
-    error = _layout_error(w.k, w.n, w.group_size, k_axes, n_axes, mesh.shape)
+    error = _layout_error(w.k_pad, w.n_pad, w.group_size, k_axes, n_axes, mesh.shape)
     if error is not None:
         raise ValueError(f"cannot shard {w!r} as {spec}: {error}")
     q_spec, s_spec = weight_specs(spec, w.group_size)
@@ -236,16 +247,17 @@ def _layout_error(k: int, n: int, group_size: int, k_axes, n_axes, mesh_shape) -
 # --- the partitioned op ------------------------------------------------------------
 
 
-def _full_matmul(x, qweight, scales, k, n, group_size, poison_output):
+def _full_matmul(x, qweight, scales, bias, k, n, group_size, poison_output):
     # The unpartitioned computation: what runs on one device, eagerly, and what
     # the partitioner's shapes are derived from.
-    return marlin_matmul_p.bind(x, qweight, scales, k=k, n=n, group_size=group_size,
+    return marlin_matmul_p.bind(x, qweight, scales, bias, k=k, n=n, group_size=group_size,
                                 poison_output=poison_output)
 
 
 def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_types):
-    """The Shardy rule for ``(x [..., k], qweight, scales) -> y [..., n]``; see the module doc."""
-    del poison_output, mesh, operand_types, result_types
+    """The Shardy rule for ``(x [..., k], qweight, scales, bias) -> y [..., n]`` (module doc)."""
+    del poison_output, mesh, result_types
+    has_bias = _has_bias(operand_types[3])
     k_rows = CompoundFactor("k_blocks", "k_rows", "k_tile")
     q_rows = CompoundFactor("k_blocks", "k_rows")
     y_cols = CompoundFactor("n_chunks", "n_cols")
@@ -261,10 +273,16 @@ def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_
     else:
         scales = ArrayMapping("k_blocks", y_cols)
         replicated = ("k_rows", "k_tile", "n_words", "n_cols")
+    if has_bias:
+        bias = ArrayMapping(y_cols)
+    else:  # the empty [0] placeholder: nothing to shard
+        bias = ArrayMapping("no_bias")
+        replicated += ("no_bias",)
     # Shardy wants each kind's factors in order of first appearance, which is
     # the order listed above.
     return SdyShardingRule(
-        operand_mappings=(ArrayMapping(BATCHING, k_rows), ArrayMapping(q_rows, q_cols), scales),
+        operand_mappings=(ArrayMapping(BATCHING, k_rows), ArrayMapping(q_rows, q_cols), scales,
+                          bias),
         result_mappings=(ArrayMapping(BATCHING, y_cols),),
         reduction_factors=("k_blocks",),
         need_replication_factors=replicated,
@@ -309,32 +327,46 @@ def _choose_layout(k, n, group_size, mesh, x_sharding, q_sharding, x_ndim, *, wa
     return batch, k_axes, n_axes
 
 
-def _shardings(mesh, group_size, batch, k_axes, n_axes):
+def _has_bias(bias_type) -> bool:
+    """Whether the bias operand (an aval, a ShapeDtypeStruct or an MLIR type) is not ``[0]``."""
+    shape = bias_type.shape if hasattr(bias_type, "shape") else ir.RankedTensorType(bias_type).shape
+    return shape[0] > 0
+
+
+def _shardings(mesh, group_size, batch, k_axes, n_axes, has_bias):
     k_entry, n_entry = _entry(k_axes), _entry(n_axes)
     q_spec, s_spec = weight_specs(PartitionSpec(k_entry, n_entry), group_size)
     args = (NamedSharding(mesh, PartitionSpec(*batch, k_entry)),
-            NamedSharding(mesh, q_spec), NamedSharding(mesh, s_spec))
+            NamedSharding(mesh, q_spec), NamedSharding(mesh, s_spec),
+            NamedSharding(mesh, PartitionSpec(n_entry if has_bias else None)))
     return args, NamedSharding(mesh, PartitionSpec(*batch, n_entry))
 
 
 def _partition(k, n, group_size, poison_output, mesh, arg_shapes, result_shape):
     """Per-shard computation: the kernel on ``[k_local, n_local]``, psum over ``k``'s axes."""
     del result_shape
-    x, qweight, _ = arg_shapes
+    x, qweight, _, bias = arg_shapes
+    has_bias = _has_bias(bias)
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=True)
     k_local = k // _shards(k_axes, mesh.shape)
     n_local = n // _shards(n_axes, mesh.shape)
 
-    def local(x, qweight, scales):
-        y = marlin_matmul_p.bind(x, qweight, scales, k=k_local, n=n_local,
+    def local(x, qweight, scales, bias):
+        # Row parallel: every shard's kernel runs without the bias, which is
+        # added once to the all-reduced sum.
+        fused_bias = jnp.zeros((0,), x.dtype) if k_axes else bias
+        y = marlin_matmul_p.bind(x, qweight, scales, fused_bias, k=k_local, n=n_local,
                                  group_size=group_size, poison_output=poison_output)
         if k_axes:
-            # Row parallel: add the float16 partial products (module doc: precision).
+            # Add the float16 partial products (module doc: precision).
             y = jax.lax.psum(y, k_axes)
+            if has_bias:
+                y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
         return y
 
-    arg_shardings, result_sharding = _shardings(mesh, group_size, batch, k_axes, n_axes)
+    arg_shardings, result_sharding = _shardings(mesh, group_size, batch, k_axes, n_axes,
+                                                has_bias)
     return mesh, local, result_sharding, arg_shardings
 
 
@@ -343,13 +375,13 @@ def _infer_sharding_from_operands(k, n, group_size, poison_output, mesh, arg_sha
     # Only used by the GSPMD partitioner (jax_use_shardy_partitioner=False);
     # _partition warns about the same layout.
     del poison_output, result_shape
-    x, qweight, _ = arg_shapes
+    x, qweight, _, bias = arg_shapes
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=False)
-    return _shardings(mesh, group_size, batch, k_axes, n_axes)[1]
+    return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_bias(bias))[1]
 
 
-_partitioned = custom_partitioning(_full_matmul, static_argnums=(3, 4, 5, 6))
+_partitioned = custom_partitioning(_full_matmul, static_argnums=(4, 5, 6, 7))
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer_sharding_from_operands,
@@ -357,40 +389,46 @@ _partitioned.def_partition(
 )
 
 
-# --- vmap and eager entry --------------------------------------------------------------
+# --- vmap and entry --------------------------------------------------------------------
 
 
 @functools.cache
 def _vmappable(poison_output: bool) -> custom_vmap:
     # custom_partitioning has no batching rule; this layer gives it one that
     # re-enters the partitioned op with the batch folded into x's leading
-    # dimensions (or one call per weight when the weights are batched).
+    # dimensions (or one call per weight when the weights or biases are
+    # batched).
     @custom_vmap
-    def call(x, w):
-        return _partitioned(x, w.qweight, w.scales, w.k, w.n, w.group_size, poison_output)
+    def call(x, w, bias):
+        if bias is None:  # the kernel's "no bias": a [0] operand
+            bias = jnp.zeros((0,), x.dtype)
+        return _partitioned(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad, w.group_size,
+                            poison_output)
 
     @call.def_vmap
-    def rule(axis_size, in_batched, x, w):
-        x_batched, w_batched = in_batched
-        if not (w_batched.qweight or w_batched.scales):
+    def rule(axis_size, in_batched, x, w, bias):
+        x_batched, w_batched, bias_batched = in_batched
+        if not (w_batched.qweight or w_batched.scales or bias_batched):
             # Only x is batched (at axis 0): one more leading dimension of m.
-            return call(x, w), True
+            return call(x, w, bias), True
         def front(a, batched):
             return a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
         xs = front(x, x_batched)
         qs, ss = front(w.qweight, w_batched.qweight), front(w.scales, w_batched.scales)
+        bs = None if bias is None else front(bias, bias_batched)
         y = jax.lax.map(
-            lambda a: call(a[0], MarlinWeight(a[1], a[2], w.k, w.n, w.group_size)), (xs, qs, ss))
+            lambda a: call(a[0], MarlinWeight(a[1], a[2], w.k, w.n, w.group_size), a[3]),
+            (xs, qs, ss, bs))
         return y, True
 
     return call
 
 
-@functools.partial(jax.jit, static_argnames=("poison_output",))
-def _matmul(x, w: MarlinWeight, poison_output: bool) -> jax.Array:
-    """``x [..., k] @ w -> [..., n]`` float16, partitioned under sharded inputs.
+def partitioned_matmul(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
+    """``x [..., k_pad] @ w + bias [n_pad] -> [..., n_pad]`` on the padded shape.
 
-    A ``jit`` so that eager calls on sharded arrays are partitioned too (the
-    primitive's own eager path would gather them).
+    The kernel, partitioned under sharded inputs and batched under ``vmap``;
+    ``bias`` may be ``None``. Called by ``jm.matmul`` after it has checked and
+    padded the operands.
     """
-    return _vmappable(poison_output)(x, w)
+    return _vmappable(poison_output)(x, w, bias)

@@ -17,6 +17,8 @@ import jax_marlin as jm
 #: this much relative to itself, so an fp16 output of an otherwise exact
 #: product has ||y - ref|| / ||ref|| <= FP16_U.
 FP16_U = 2.0**-11
+#: The same for bfloat16 (8 significant bits instead of 11).
+BF16_U = 2.0**-8
 
 
 def has_gpu() -> bool:
@@ -57,15 +59,16 @@ def random_weight(rng, k, n):
     return (rng.standard_normal((k, n)) * rng.uniform(0.5, 2.0, size=(1, n))).astype(np.float32)
 
 
-def random_x(rng, *shape):
-    """float16 activations, never zero."""
-    return rng.standard_normal(shape).astype(np.float16)
+def random_x(rng, *shape, dtype=np.float16):
+    """float16 (or ``dtype``) activations, never zero."""
+    return rng.standard_normal(shape).astype(dtype)
 
 
-def float64_reference(x, w) -> np.ndarray:
-    """x @ dequantize(w) in float64 from the exact dequantized weight."""
+def float64_reference(x, w, bias=None) -> np.ndarray:
+    """x @ dequantize(w) (+ bias) in float64 from the exact dequantized weight."""
     wd = np.asarray(jm.dequantize(w, jax.numpy.float32), np.float64)
-    return np.asarray(x, np.float64) @ wd
+    y = np.asarray(x, np.float64) @ wd
+    return y if bias is None else y + np.asarray(bias, np.float64)
 
 
 def rel_err(y, ref) -> float:

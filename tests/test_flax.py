@@ -18,13 +18,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_marlin as jm  # noqa: E402
-from conftest import random_x, rel_err  # noqa: E402
+from conftest import BF16_U, random_x, rel_err  # noqa: E402
 from jax_marlin.flax import (  # noqa: E402
     MarlinDense,
     MarlinLinear,
     QuantizedWeight,
     QuantizeSummary,
     dense_to_marlin,
+    matmul_dtype,
     params_to_marlin,
     quantize_model,
 )
@@ -34,8 +35,10 @@ from jax_marlin.flax import (  # noqa: E402
 # so ||y_int4 - y_float|| / ||y_float|| ~ 0.35 / sqrt(12) ~ 0.1.
 QUANT_ERR = (0.05, 0.15)
 # Against jm.reference.matmul on the same packed weights: float16 rounding of
-# the product (and of the sum with the bias) only.
+# the product plus bias only (u = 2^-11; 1e-3 leaves room for casts of the
+# result to other dtypes). bfloat16: the same with u = 2^-8.
 SAME_WEIGHT_TOL = 1e-3
+BF16_SAME_WEIGHT_TOL = 2 * BF16_U
 
 K, N = 256, 512
 
@@ -46,9 +49,13 @@ def normal_init(key, shape, dtype):
 
 
 def ref_linear(x, layer: MarlinLinear):
-    """The same quantized layer in float32 jnp."""
-    y = jm.reference.matmul(x.astype(jnp.float16), layer.weight.get_value()).astype(jnp.float32)
-    return y + layer.bias[...] if layer.bias is not None else y
+    """The same quantized layer in float64, from the weight's exact values."""
+    w = layer.weight.get_value()
+    y = np.asarray(x.astype(w.dtype), np.float64) @ np.asarray(jm.dequantize(w, jnp.float32),
+                                                                np.float64)
+    if layer.bias is not None:
+        y = y + np.asarray(layer.bias[...].astype(w.dtype), np.float64)
+    return y
 
 
 # --- nnx -----------------------------------------------------------------------
@@ -68,7 +75,7 @@ def test_marlin_linear_quantizes_the_same_kernel_as_nnx_linear(rng):
     x = random_x(rng, 3, 5, K)
     y = layer(x)
     assert y.shape == (3, 5, N) and y.dtype == jnp.float16
-    assert rel_err(y, np.asarray(ref_linear(x, layer), np.float64)) <= SAME_WEIGHT_TOL
+    assert rel_err(y, ref_linear(x, layer)) <= SAME_WEIGHT_TOL
     y_float = np.asarray(linear(x.astype(np.float32)), np.float64)
     assert QUANT_ERR[0] <= rel_err(y, y_float) <= QUANT_ERR[1]
 
@@ -86,11 +93,47 @@ def test_marlin_linear_dtypes_and_no_bias(rng):
         layer(jnp.ones((2, K), jnp.int32))
 
 
-def test_marlin_linear_rejects_shapes_the_kernel_cannot_take():
-    with pytest.raises(ValueError, match="n = 100"):
-        MarlinLinear(K, 100, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="k = 192 must be a multiple of group_size = 128"):
-        MarlinLinear(192, 256, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+def test_marlin_linear_pads_any_shape(rng, group_size):
+    # 200 x 100 is stored padded; the layer still maps [..., 200] -> [..., 100].
+    layer = MarlinLinear(200, 100, bias_init=normal_init, group_size=group_size,
+                         rngs=nnx.Rngs(0))
+    w = layer.weight.get_value()
+    assert (w.k, w.n, w.group_size) == (200, 100, group_size) and w.padded_shape != (200, 100)
+    x = random_x(rng, 7, 200)
+    y = layer(x)
+    assert y.shape == (7, 100)
+    assert rel_err(y, ref_linear(x, layer)) <= SAME_WEIGHT_TOL
+
+
+def test_marlin_linear_rejects_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="group_size = 96"):
+        MarlinLinear(K, N, group_size=96, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="32-bit offsets"):  # refused before drawing 64 GiB
+        MarlinLinear(2**17, 2**17, rngs=nnx.Rngs(0))
+
+
+def test_matmul_dtype():
+    assert matmul_dtype(None, jnp.float32) == jnp.float16
+    assert matmul_dtype(None, jnp.bfloat16) == jnp.bfloat16
+    assert matmul_dtype(jnp.bfloat16, jnp.float32) == jnp.bfloat16
+    assert matmul_dtype(jnp.float32, jnp.bfloat16) == jnp.bfloat16
+    assert matmul_dtype(jnp.float16, jnp.bfloat16) == jnp.float16
+
+
+def test_bf16_marlin_linear(rng):
+    # A bfloat16 layer keeps bfloat16: scales, activations into the kernel,
+    # the fused bias and the result.
+    linear = nnx.Linear(K, N, param_dtype=jnp.bfloat16, bias_init=normal_init, rngs=nnx.Rngs(2))
+    layer = MarlinLinear.from_linear(linear, group_size=64)
+    w = layer.weight.get_value()
+    assert w.dtype == jnp.bfloat16 and layer.bias[...].dtype == jnp.bfloat16
+    x = random_x(rng, 6, K, dtype=jnp.bfloat16)
+    y = layer(x)
+    assert y.dtype == jnp.bfloat16
+    assert rel_err(y, ref_linear(x, layer)) <= BF16_SAME_WEIGHT_TOL
+    y_float = np.asarray(linear(x.astype(np.float32)), np.float64)
+    assert QUANT_ERR[0] <= rel_err(y, y_float) <= QUANT_ERR[1]
 
 
 def test_from_linear_copies_bias_and_config():
@@ -118,26 +161,35 @@ class Block(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
+class ScaledLinear(nnx.Linear):
+    """A subclass of nnx.Linear that does more than x @ W: quantize_model keeps it."""
+
+    def __call__(self, x):
+        return 0.5 * super().__call__(x)
+
+
 class Model(nnx.Module):
     """Blocks in an nnx.List, layers in a plain dict and a tuple, one shared
-    layer, and a head of 100 features the kernel cannot take."""
+    layer, a head of 100 features (stored padded) and a layer quantize_model
+    must keep in float."""
 
     def __init__(self, rngs):
         self.blocks = nnx.List([Block(rngs) for _ in range(2)])
         self.extra = nnx.data({"proj": nnx.Linear(K, K, rngs=rngs)})
         self.pair = nnx.data((nnx.Linear(K, K, rngs=rngs), "not a layer"))
         self.shared = self.blocks[0].up
+        self.scaled = ScaledLinear(K, K, rngs=rngs)
         self.head = nnx.Linear(K, 100, rngs=rngs)
 
     def __call__(self, x):
         for block in self.blocks:
             x = block(x)
-        x = self.pair[0](self.extra["proj"](x))
+        x = self.scaled(self.pair[0](self.extra["proj"](x)))
         return self.head(x), self.shared(x)
 
 
 QUANTIZED = ["blocks/0/up", "blocks/0/down", "blocks/1/up", "blocks/1/down", "extra/proj",
-             "pair/0"]
+             "pair/0", "head"]
 
 
 def _is_variable(v):
@@ -152,14 +204,14 @@ def test_quantize_model_replaces_nested_layers_and_warns_once(rng):
     model = Model(nnx.Rngs(0))
     x = random_x(rng, 8, K).astype(np.float32)
     head_before, shared_before = (np.asarray(a, np.float64) for a in model(x))
-    head = model.head
+    scaled = model.scaled
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, summary = quantize_model(model, summary=True)
     assert out is model
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert "head: kernel [256, 100]" in message and "n = 100" in message
+    assert "scaled: kernel [256, 256]: ScaledLinear is a subclass of nnx.Linear" in message
     for block in model.blocks:
         assert isinstance(block.up, MarlinLinear) and isinstance(block.down, MarlinLinear)
         assert isinstance(block.norm, nnx.LayerNorm)
@@ -167,19 +219,23 @@ def test_quantize_model_replaces_nested_layers_and_warns_once(rng):
     assert isinstance(model.pair, tuple) and isinstance(model.pair[0], MarlinLinear)
     assert model.pair[1] == "not a layer"
     assert model.shared is model.blocks[0].up  # shared: quantized once, replaced in both places
-    assert model.head is head and type(head) is nnx.Linear
+    assert model.scaled is scaled and type(scaled) is ScaledLinear
+    assert isinstance(model.head, MarlinLinear)  # 100 features: stored padded to 128
+    assert model.head.weight.get_value().padded_shape == (K, 128)
 
     assert isinstance(summary, QuantizeSummary)
     assert _paths(summary.replaced) == QUANTIZED
-    assert _paths(summary.skipped) == ["head"] and summary.excluded == ()
-    assert summary.bytes_before == 4 * (4 * K * N + 2 * K * K)
-    assert summary.bytes_after == sum(
-        layer.weight.get_value().nbytes for layer in
-        [model.extra["proj"], model.pair[0]] + [b.up for b in model.blocks] +
-        [b.down for b in model.blocks])
-    assert "6 nnx.Linear -> MarlinLinear, 1 kept in float" in str(summary)
+    assert _paths(summary.skipped) == ["scaled"] and summary.excluded == ()
+    assert [layer.padded for layer in summary.replaced] == [False] * 6 + [True]
+    assert summary.bytes_before == 4 * (4 * K * N + 2 * K * K + K * 100)
+    quantized = ([model.extra["proj"], model.pair[0], model.head] +
+                 [b.up for b in model.blocks] + [b.down for b in model.blocks])
+    assert summary.bytes_after == sum(layer.weight.get_value().nbytes for layer in quantized)
+    text = str(summary)
+    assert "7 nnx.Linear -> MarlinLinear, 1 kept in float" in text
+    assert "padded: head [256, 100] -> [256, 128]" in text
 
-    # Up to five quantized layers lie on the way to an output; their errors add up.
+    # Up to six quantized layers lie on the way to an output; their errors add up.
     head_after, shared_after = model(x)
     assert QUANT_ERR[0] <= rel_err(shared_after, shared_before) <= 2 * QUANT_ERR[1]
     assert QUANT_ERR[0] <= rel_err(head_after, head_before) <= 2 * QUANT_ERR[1]
@@ -188,27 +244,58 @@ def test_quantize_model_replaces_nested_layers_and_warns_once(rng):
 def test_quantize_model_filter_and_root_linear():
     model = Model(nnx.Rngs(0))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the head is excluded, so nothing to warn about
+        warnings.simplefilter("error")  # the subclass is excluded, so nothing to warn about
         _, summary = quantize_model(model, filter=lambda path, _: path[0] == "blocks",
                                     group_size=-1, summary=True)
     assert _paths(summary.replaced) == QUANTIZED[:4]
     assert sorted("/".join(map(str, p)) for p in summary.excluded) == ["extra/proj", "head",
-                                                                       "pair/0"]
+                                                                       "pair/0", "scaled"]
     assert model.blocks[1].down.group_size == -1
     assert type(model.extra["proj"]) is nnx.Linear
 
-    layer = quantize_model(nnx.Linear(K, N, rngs=nnx.Rngs(0)))
-    assert isinstance(layer, MarlinLinear)
-
-    class ScaledLinear(nnx.Linear):
-        def __call__(self, x):
-            return 2 * super().__call__(x)
+    layer = quantize_model(nnx.Linear(K, N, rngs=nnx.Rngs(0)), group_size=32)
+    assert isinstance(layer, MarlinLinear) and layer.weight.get_value().group_size == 32
 
     scaled = ScaledLinear(K, N, rngs=nnx.Rngs(0))
     with pytest.warns(UserWarning, match="ScaledLinear is a subclass of nnx.Linear"):
         assert quantize_model(scaled) is scaled
-    with pytest.raises(ValueError, match="group_size = 64"):
-        quantize_model(Model(nnx.Rngs(0)), group_size=64)
+    with pytest.raises(ValueError, match="group_size = 96"):
+        quantize_model(Model(nnx.Rngs(0)), group_size=96)
+
+
+def test_quantize_model_keeps_layers_too_large_for_the_kernel():
+    # Padding takes every shape but those past the kernel's 32-bit offsets;
+    # nnx.eval_shape builds the 64 GiB layer without allocating it.
+    class Big(nnx.Module):
+        def __init__(self, rngs):
+            self.small = nnx.Linear(K, N, rngs=rngs)
+            self.huge = nnx.Linear(2**17, 2**17, rngs=rngs)
+
+    with pytest.warns(UserWarning, match=r"huge: kernel \[131072, 131072\]: .*32-bit offsets"):
+        abstract, summary = nnx.eval_shape(lambda: quantize_model(Big(nnx.Rngs(0)), summary=True))
+    assert _paths(summary.replaced) == ["small"] and _paths(summary.skipped) == ["huge"]
+    assert type(abstract.huge) is nnx.Linear
+
+
+def test_quantize_model_keeps_a_bf16_model_bf16(rng):
+    model = Model(nnx.Rngs(0))
+    # Cast the float32 model's parameters to bfloat16 (and so its layers' param_dtype).
+    for _, linear in nnx.iter_graph(model):
+        if isinstance(linear, nnx.Linear):
+            linear.param_dtype = jnp.bfloat16
+    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+    x = random_x(rng, 8, K, dtype=jnp.bfloat16)
+    _, shared_before = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the subclass
+        quantize_model(model, group_size=64)
+    for layer in (model.head, model.pair[0], model.blocks[1].down):
+        assert layer.weight.get_value().dtype == jnp.bfloat16
+    head, shared = model(x)
+    assert head.dtype == shared.dtype == jnp.bfloat16 and head.shape == (8, 100)
+    # Up to five quantized layers on the way (test above), in bfloat16.
+    shared_err = rel_err(shared, np.asarray(shared_before, np.float64))
+    assert QUANT_ERR[0] <= shared_err <= 2 * QUANT_ERR[1]
 
 
 def test_quantize_model_progress_bar(capsys):
@@ -226,7 +313,7 @@ def test_quantize_model_progress_bar(capsys):
 
 def test_quantize_model_is_traceable():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the head
+        warnings.simplefilter("ignore")  # the subclass
         abstract, summary = nnx.eval_shape(
             lambda: quantize_model(Model(nnx.Rngs(0)), group_size=128, summary=True))
     assert _paths(summary.replaced) == QUANTIZED
@@ -242,7 +329,7 @@ def test_quantize_model_is_traceable():
 
 def _quantized_model(seed):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the head
+        warnings.simplefilter("ignore")  # the subclass
         return quantize_model(Model(nnx.Rngs(seed)))
 
 
@@ -263,7 +350,7 @@ def test_jit_split_merge_state_update(rng):
     # Packed weights are their own filterable kind of state.
     _, weights, rest = nnx.split(model, QuantizedWeight, ...)
     packed = jax.tree.leaves(weights, is_leaf=lambda v: isinstance(v, jm.MarlinWeight))
-    assert len(packed) == 6 and all(isinstance(w, jm.MarlinWeight) for w in packed)
+    assert len(packed) == 7 and all(isinstance(w, jm.MarlinWeight) for w in packed)
     rest_kinds = {type(v) for v in jax.tree.leaves(rest, is_leaf=_is_variable)}
     assert QuantizedWeight not in rest_kinds and nnx.Param in rest_kinds
 
@@ -343,13 +430,27 @@ def test_marlin_dense_init_apply_under_jit(rng):
 
     y = jax.jit(layer.apply)(variables, x)
     assert y.shape == (2, 3, N) and y.dtype == jnp.float16
-    ref = jm.reference.matmul(x, w).astype(jnp.float32) + variables["params"]["bias"]
+    ref = jm.reference.matmul(x, w, variables["params"]["bias"].astype(jnp.float16))
     assert rel_err(y, np.asarray(ref, np.float64)) <= SAME_WEIGHT_TOL
     y_float = dense.apply({"params": float_params}, x.astype(np.float32))
     assert QUANT_ERR[0] <= rel_err(y, np.asarray(y_float, np.float64)) <= QUANT_ERR[1]
 
-    with pytest.raises(ValueError, match="n = 100"):
-        MarlinDense(100).init(key, x)
+    with pytest.raises(ValueError, match="group_size = 96"):
+        MarlinDense(N, group_size=96).init(key, x)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_marlin_dense_bf16_any_shape(rng, group_size):
+    x = random_x(rng, 5, 200, dtype=jnp.bfloat16)
+    layer = MarlinDense(100, param_dtype=jnp.bfloat16, bias_init=normal_init,
+                        group_size=group_size)
+    variables = layer.init(jax.random.key(0), x)
+    w = variables["marlin"]["weight"]
+    assert w.dtype == jnp.bfloat16 and (w.k, w.n) == (200, 100) and w.padded_shape != (200, 100)
+    y = layer.apply(variables, x)
+    assert y.shape == (5, 100) and y.dtype == jnp.bfloat16
+    ref = jm.reference.matmul(x, w, variables["params"]["bias"])
+    assert rel_err(y, np.asarray(ref, np.float64)) <= BF16_SAME_WEIGHT_TOL
 
 
 class LinenModel(nn.Module):
@@ -369,8 +470,12 @@ def test_params_to_marlin_converts_a_float_model(rng):
     float_model, marlin_model = LinenModel(), LinenModel(dense=MarlinDense)
     params = float_model.init(jax.random.key(0), x)["params"]
 
-    with pytest.raises(ValueError, match=r"head: kernel \[256, 100\]"):
-        params_to_marlin(params)
+    huge = {"kernel": jax.ShapeDtypeStruct((2**17, 2**17), jnp.float32)}
+    with pytest.raises(ValueError, match=r"huge: kernel \[131072, 131072\]"):
+        params_to_marlin({**params, "huge": huge})
+    everything = params_to_marlin(params, dtype=jnp.bfloat16)
+    assert everything["marlin"]["head"]["weight"].padded_shape == (K, 128)  # 100 features
+    assert everything["marlin"]["up"]["weight"].dtype == jnp.bfloat16
 
     def not_head(path, _):
         return path[0] != "head"

@@ -8,17 +8,29 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
-from conftest import FP16_U, float64_reference, random_weight, random_x, rel_err
+from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
 from jax_marlin.primitive import _bind
 
-# The CPU handler and the reference compute x @ W exactly up to fp32
+# The CPU handler and the reference compute x @ W (+ bias) exactly up to fp32
 # accumulation (W's values (q - 8) * scale are exact in fp32) and round once to
-# fp16: ||y - ref|| / ||ref|| <= FP16_U plus the fp32 accumulation error,
-# far below 1e-5 at these sizes.
+# the output dtype: ||y - ref|| / ||ref|| <= its unit roundoff plus the fp32
+# accumulation error, far below 1e-5 at these sizes.
 TOL = FP16_U + 1e-5
+BF16_TOL = BF16_U + 1e-5
+TOLS = {np.dtype(np.float16): TOL, np.dtype(jnp.bfloat16): BF16_TOL}
+DTYPES = [np.float16, jnp.bfloat16]
+DTYPE_IDS = ["f16", "bf16"]
 
 MS = [1, 2, 3, 16, 17, 64, 100, 128, 1024]
-LAYERS = [(128, 128, 128), (256, 192, -1), (1024, 512, 128), (512, 320, 128), (192, 256, -1)]
+LAYERS = [(128, 128, 128), (256, 192, -1), (1024, 512, 128), (512, 320, 128), (192, 256, -1),
+          (256, 320, 32), (512, 192, 64)]
+# Shapes the kernel runs only padded (tests/test_packing.py::ODD has their padded shapes).
+ODD = [(576, 192), (576, 1000), (1000, 576), (4100, 130)]
+
+
+def poisoned(x, w, bias=None):
+    """jm.matmul whose output buffer starts as NaN: an unwritten element shows."""
+    return jax.jit(lambda x, w, b: _bind(x, w, b, poison_output=True))(x, w, bias)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +48,129 @@ def test_cpu_matches_reference_and_float64(rng, weights, m, layer):
     w = weights[layer]
     x = random_x(rng, m, k)
     ref = float64_reference(x, w)
-    y = jax.jit(lambda x, w: _bind(x, w, poison_output=True))(x, w)
+    y = poisoned(x, w)
     assert y.shape == (m, n) and y.dtype == jnp.float16
     assert rel_err(y, ref) <= TOL
     assert rel_err(jm.reference.matmul(x, w), ref) <= TOL
+
+
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+def test_bf16_and_fp16_on_the_same_inputs(rng, group_size, m):
+    # Weights and activations exactly representable in both dtypes (bfloat16
+    # values in float16's range): the two products are the same real numbers,
+    # and only the rounding of y differs.
+    k, n = 512, 384
+    groups = 1 if group_size == -1 else k // group_size
+    q = rng.integers(0, 16, size=(k, n))
+    scales = rng.uniform(0.01, 0.1, size=(groups, n)).astype(jnp.bfloat16)
+    x_values = rng.standard_normal((m, k)).astype(jnp.bfloat16)
+    refs = []
+    for dtype in DTYPES:
+        w = jm.pack(q, scales, group_size=group_size, dtype=dtype)
+        x = x_values.astype(dtype)
+        y = poisoned(x, w)
+        assert y.dtype == dtype and w.scales.dtype == dtype
+        ref = float64_reference(x, w)
+        assert rel_err(y, ref) <= TOLS[np.dtype(dtype)]
+        assert rel_err(jm.reference.matmul(x, w), ref) <= TOLS[np.dtype(dtype)]
+        refs.append(ref)
+    np.testing.assert_array_equal(refs[0], refs[1])
+
+
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("k,n", ODD)
+def test_odd_shapes_are_padded(rng, k, n, group_size):
+    w = jm.quantize(random_weight(rng, k, n), group_size=group_size)
+    assert w.padded_shape != (k, n)
+    x = random_x(rng, 3, 7, k)  # m = 21: a partial row block of the kernel
+    y = poisoned(x, w)
+    assert y.shape == (3, 7, n) and y.dtype == jnp.float16
+    assert rel_err(y, float64_reference(x, w)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k,n,group_size", [(512, 320, 128), (1000, 576, 64), (576, 1000, -1)])
+def test_fused_bias(rng, k, n, group_size, dtype):
+    w = jm.quantize(random_weight(rng, k, n), group_size=group_size, dtype=dtype)
+    x = random_x(rng, 2, 9, k, dtype=dtype)
+    # A bias of the size of the products, so that a missing, doubled or
+    # misplaced (padded-column) bias is far outside the tolerance.
+    bias = (rng.standard_normal(n) * np.sqrt(k)).astype(dtype)
+    ref = float64_reference(x, w, bias)
+    y = poisoned(x, w, bias)
+    assert y.shape == (2, 9, n) and y.dtype == dtype
+    # The bias is added to the fp32 product before the one rounding.
+    assert rel_err(y, ref) <= TOLS[np.dtype(dtype)]
+    assert rel_err(jm.reference.matmul(x, w, bias), ref) <= TOLS[np.dtype(dtype)]
+    np.testing.assert_array_equal(np.asarray(jm.matmul(x, w, bias=bias)), np.asarray(y))
+
+
+def test_bias_with_vmap(rng):
+    k, n = 256, 192
+    ws = [jm.quantize(random_weight(rng, k, n), group_size=64) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+    x = random_x(rng, 3, 4, k)
+    biases = (rng.standard_normal((3, n)) * 8).astype(np.float16)
+
+    def each(fn):
+        return [np.asarray(fn(i)) for i in range(3)]
+
+    # over the bias only
+    y = jax.vmap(lambda b: jm.matmul(x[0], ws[0], bias=b))(biases)
+    np.testing.assert_array_equal(np.asarray(y), each(lambda i: jm.matmul(x[0], ws[0], biases[i])))
+    # over x, one bias
+    y = jax.vmap(jm.matmul, in_axes=(0, None, None))(x, ws[0], biases[0])
+    np.testing.assert_array_equal(np.asarray(y), each(lambda i: jm.matmul(x[i], ws[0], biases[0])))
+    # over x, weights and biases together, under jit
+    y = jax.jit(jax.vmap(jm.matmul))(x, stacked, biases)
+    np.testing.assert_array_equal(np.asarray(y), each(lambda i: jm.matmul(x[i], ws[i], biases[i])))
+    for i in range(3):
+        assert rel_err(y[i], float64_reference(x[i], ws[i], biases[i])) <= TOL
+
+
+def test_bias_is_differentiable(rng):
+    w = jm.quantize(random_weight(rng, 256, 192), group_size=128)
+    x = random_x(rng, 6, 256)
+    bias = random_x(rng, 192)
+    # Small integers: exact in float16, and so are their sums over the 6 rows.
+    cotangent = rng.integers(-8, 8, size=(6, 192)).astype(np.float32)
+
+    def loss(b):
+        return jnp.sum(jm.matmul(x, w, bias=b).astype(jnp.float32) * cotangent)
+
+    grad = jax.jit(jax.grad(loss))(bias)
+    # d loss / d bias = the cotangent summed over rows
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), cotangent.sum(0))
+    y, y_dot = jax.jvp(lambda b: jm.matmul(x, w, bias=b), (bias,), (jnp.ones_like(bias),))
+    np.testing.assert_array_equal(np.asarray(y_dot), np.ones((6, 192), np.float16))
+    with pytest.raises(NotImplementedError, match="with respect to the bias only"):
+        jax.grad(lambda x: jnp.sum(jm.matmul(x, w).astype(jnp.float32)))(x)
+
+
+def test_aligned_shapes_cost_nothing(rng, weights):
+    # No pad of x or bias and no slice of y around the kernel when the weight
+    # runs unpadded; both for a padded one.
+    def ops(w, m=4):
+        x = jnp.zeros((m, w.k), w.dtype)
+        bias = jnp.zeros((w.n,), w.dtype)
+        jaxpr = jax.make_jaxpr(lambda x, w, b: jm.matmul(x, w, bias=b))(x, w, bias)
+        return {str(e.primitive) for e in _all_eqns(jaxpr.jaxpr)}
+
+    w = weights[(1024, 512, 128)]
+    assert w.padded_shape == (1024, 512)
+    assert not ops(w) & {"pad", "slice"}
+    assert {"pad", "slice"} <= ops(jm.quantize(random_weight(rng, 1000, 500)))
+
+
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' params."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
 
 
 def test_eager_and_jit_agree(rng, weights):
@@ -91,30 +222,40 @@ def test_vmap_over_weights(rng):
         np.testing.assert_array_equal(np.asarray(y_shared[i]), np.asarray(jm.matmul(x[0], w)))
 
 
-def test_poison_is_overwritten(rng, weights):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_poison_is_overwritten(rng, dtype):
     # A poisoned run writes every element: no NaN survives, same bits as unpoisoned.
-    w = weights[(512, 320, 128)]
-    x = random_x(rng, 33, 512)
-    poisoned = jax.jit(lambda x, w: _bind(x, w, poison_output=True))(x, w)
-    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(jm.matmul(x, w)))
+    w = jm.quantize(random_weight(rng, 512, 320), group_size=128, dtype=dtype)
+    x = random_x(rng, 33, 512, dtype=dtype)
+    np.testing.assert_array_equal(np.asarray(poisoned(x, w)), np.asarray(jm.matmul(x, w)))
 
 
 @pytest.mark.parametrize(
     "make,error,match",
     [
-        (lambda x, w: (x.astype(np.float32), w), TypeError, "x.dtype is float32"),
+        (lambda x, w: (x.astype(np.float32), w), TypeError,
+         "x.dtype is float32 but the weight's scales are float16"),
+        (lambda x, w: (x.astype(jnp.bfloat16), w), TypeError,
+         "x.dtype is bfloat16 but the weight's scales are float16.*dtype=jnp.bfloat16"),
+        (lambda x, w: (x, w, np.ones(512, np.float32)), TypeError,
+         "bias.dtype is float32 but x.dtype is float16"),
+        (lambda x, w: (x, w, np.ones(100, np.float16)), ValueError,
+         r"bias.shape = \(100,\), expected \(512,\)"),
+        (lambda x, w: (x, w, np.ones((1, 512), np.float16)), ValueError,
+         r"bias.shape = \(1, 512\)"),
         (lambda x, w: (x[:, :100], w), ValueError, r"x.shape\[-1\] = 100"),
         (lambda x, w: (x, w.qweight), TypeError, "MarlinWeight"),
         (lambda x, w: (x, jm.MarlinWeight(w.qweight[:4], w.scales, w.k, w.n, w.group_size)),
          ValueError, "qweight.shape"),
         (lambda x, w: (x, jm.MarlinWeight(w.qweight, w.scales[:1], w.k, w.n, w.group_size)),
          ValueError, "scales.shape"),
-        (lambda x, w: (x, jm.MarlinWeight(w.qweight, w.scales.astype(jnp.float32), w.k, w.n,
-                                          w.group_size)), TypeError, "scales.dtype"),
+        (lambda x, w: (x.astype(np.float32), jm.MarlinWeight(
+            w.qweight, w.scales.astype(jnp.float32), w.k, w.n, w.group_size)), TypeError,
+         "scales.dtype is float32, expected float16 or bfloat16"),
         (lambda x, w: (x, jm.MarlinWeight(w.qweight.astype(jnp.uint32), w.scales, w.k, w.n,
                                           w.group_size)), TypeError, "qweight.dtype"),
-        (lambda x, w: (x, jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, 64)), ValueError,
-         "group_size = 64"),
+        (lambda x, w: (x, jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, 96)), ValueError,
+         "group_size = 96"),
     ],
 )
 def test_bad_input_raises_at_trace_time(rng, weights, make, error, match):
@@ -132,15 +273,30 @@ def test_handler_rechecks_buffers(rng, weights):
     # from the C++ checks, not a bad memory access.
     w = weights[(1024, 512, 128)]
     x = random_x(rng, 4, 1024)
-    call = jax.ffi.ffi_call(
-        "jax_marlin_matmul",
-        (jax.ShapeDtypeStruct((4, 512), jnp.float16), jax.ShapeDtypeStruct((8192,), jnp.int32)),
-    )
-    with pytest.raises(Exception, match="scales has shape"):
-        jax.block_until_ready(call(x, w.qweight, w.scales[:2], group_size=128, poison_output=False))
-    with pytest.raises(Exception, match="workspace holds"):
-        small = jax.ffi.ffi_call(
-            "jax_marlin_matmul",
-            (jax.ShapeDtypeStruct((4, 512), jnp.float16), jax.ShapeDtypeStruct((8,), jnp.int32)),
-        )
-        jax.block_until_ready(small(x, w.qweight, w.scales, group_size=128, poison_output=False))
+    no_bias = jnp.zeros((0,), jnp.float16)
+    ws_size, rs_size = jm.shapes.workspace_size(512), jm.shapes.reduce_scratch_size(4, 512)
+    assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
+
+    def call(*args, y_dtype=jnp.float16, workspace=ws_size, scratch=rs_size, group_size=128):
+        results = (jax.ShapeDtypeStruct((4, 512), y_dtype),
+                   jax.ShapeDtypeStruct((workspace,), jnp.int32),
+                   jax.ShapeDtypeStruct((scratch,), jnp.float32))
+        f = jax.ffi.ffi_call("jax_marlin_matmul", results)
+        return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
+
+    y, _, _ = call(x, w.qweight, w.scales, no_bias)  # the consistent call runs
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
+    cases = [
+        (dict(args=(x, w.qweight, w.scales[:2], no_bias)), "scales must have shape"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros(7, jnp.float16))), "bias must have shape"),
+        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
+        (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
+        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
+        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=8), "workspace holds"),
+        (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
+         "reduce_scratch holds"),
+        (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size must be"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(Exception, match=match):
+            call(*kwargs.pop("args"), **kwargs)

@@ -11,8 +11,17 @@ import jax_marlin as jm
 from conftest import random_weight
 
 SHAPES = [(64, 128), (128, 64), (256, 256), (384, 192), (1024, 512)]
-# (k, n, group_size) with k a multiple of the group
-LAYERS = [(k, n, g) for k, n in SHAPES for g in (-1, 128) if g == -1 or k % g == 0]
+GROUP_SIZES = (-1, 32, 64, 128)
+# (k, n, group_size) with k a multiple of the group: shapes the kernel runs unpadded
+LAYERS = [(k, n, g) for k, n in SHAPES for g in GROUP_SIZES if g == -1 or k % g == 0]
+# Shapes the kernel runs only padded, with their padded shapes per group size
+# (k_pad a multiple of 64 and of the group, n_pad of 64, one of them of 128).
+ODD = {
+    (576, 192): {-1: (640, 192), 32: (640, 192), 64: (640, 192), 128: (640, 192)},
+    (576, 1000): {-1: (576, 1024), 32: (576, 1024), 64: (576, 1024), 128: (640, 1024)},
+    (1000, 576): {-1: (1024, 576), 32: (1024, 576), 64: (1024, 576), 128: (1024, 576)},
+    (4100, 130): {-1: (4224, 192), 32: (4224, 192), 64: (4224, 192), 128: (4224, 192)},
+}
 
 
 # --- the layout, stated independently -----------------------------------------
@@ -84,17 +93,21 @@ def test_layout_tile_by_tile(rng, k, n):
     np.testing.assert_array_equal(np.asarray(w.qweight), layout_tile_by_tile(q))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("k,n,group_size", LAYERS)
-def test_bit_identical_to_marlin_layer_pack(rng, k, n, group_size):
+def test_bit_identical_to_marlin_layer_pack(rng, k, n, group_size, dtype):
+    # The 64-element scale permutation serves every grouped size (32, 64, 128),
+    # the 32-element one per column; bfloat16 scales move like float16 ones.
     groups = 1 if group_size == -1 else k // group_size
     q = random_q(rng, k, n)
-    scales = rng.uniform(0.01, 1, size=(groups, n)).astype(np.float16)
+    scales = rng.uniform(0.01, 1, size=(groups, n)).astype(dtype)
     w = jm.pack(q, scales, group_size=group_size)
     want_q, want_s = marlin_layer_pack(q, scales, group_size)
     np.testing.assert_array_equal(np.asarray(w.qweight), want_q)
     np.testing.assert_array_equal(np.asarray(w.scales), want_s)
-    assert w.qweight.dtype == jnp.int32 and w.scales.dtype == jnp.float16
+    assert w.qweight.dtype == jnp.int32 and w.scales.dtype == dtype
     assert (w.k, w.n, w.group_size) == (k, n, group_size)
+    assert w.padded_shape == (k, n)
 
 
 @pytest.mark.parametrize("k,n,group_size", LAYERS)
@@ -107,31 +120,154 @@ def test_pack_unpack_round_trip(rng, k, n, group_size):
     np.testing.assert_array_equal(np.asarray(s2), scales)
 
 
-@pytest.mark.parametrize("group_size", [-1, 128])
-def test_quantize_is_rtn_within_half_a_step(rng, group_size):
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_quantize_is_rtn_within_half_a_step(rng, group_size, dtype):
     k, n = 512, 256
     weight = random_weight(rng, k, n)
-    w = jm.quantize(weight, group_size=group_size)
+    w = jm.quantize(weight, group_size=group_size, dtype=dtype)
+    assert w.scales.dtype == dtype and w.dtype == dtype
     q, scales = (np.asarray(a) for a in jm.unpack(w))
     g = k if group_size == -1 else group_size
     s = np.repeat(scales.astype(np.float32), g, axis=0)
-    # Scale max|w| / 7.5 per group and column, rounded to fp16 (to within one
-    # fp16 step: XLA may divide by multiplying with the reciprocal).
+    # The scale's dtype rounds to relative u = 2^-11 (float16) or 2^-8
+    # (bfloat16) of its value.
+    u = 2.0**-11 if dtype == np.float16 else 2.0**-8
+    # Scale max|w| / 7.5 per group and column, rounded to the dtype (to within
+    # one step of it: XLA may divide by multiplying with the reciprocal).
     absmax = np.abs(weight).reshape(k // g, g, n).max(axis=1)
-    np.testing.assert_allclose(scales, absmax / 7.5, rtol=2**-10)
+    np.testing.assert_allclose(scales.astype(np.float32), absmax / 7.5, rtol=2 * u)
     deq = np.asarray(jm.dequantize(w, jnp.float32))
     np.testing.assert_array_equal(deq, (q - 8) * s)
+    assert jm.dequantize(w).dtype == dtype  # by default, the scales' dtype
     # Every value within half a step of its weight. The largest magnitude sits
-    # at 7.5 steps, so rounding the scale to fp16 (relative 2^-11) can move it
-    # by up to 7.5 * 2^-11 of a step more.
-    assert np.all(np.abs(deq - weight) <= s * (0.5 + 7.5 * 2**-11))
+    # at 7.5 steps, so rounding the scale (relative u) can move it by up to
+    # 7.5 u of a step more.
+    assert np.all(np.abs(deq - weight) <= s * (0.5 + 7.5 * u))
     assert q.min() >= 0 and q.max() <= 15
 
 
-def test_quantize_all_zero_group():
+def test_scale_dtype_follows_the_weight(rng):
+    weight = random_weight(rng, 128, 64)
+    assert jm.quantize(weight).dtype == np.float16  # float32 weight: float16 scales
+    assert jm.quantize(weight.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert jm.quantize(weight.astype(jnp.bfloat16), dtype=np.float16).dtype == np.float16
+    q, scales = random_q(rng, 128, 64), np.ones((1, 64), np.float32)
+    assert jm.pack(q, scales).dtype == np.float16
+    assert jm.pack(q, scales.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert jm.pack(q, scales, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="dtype = float32"):
+        jm.quantize(weight, dtype=np.float32)
+
+
+# --- padding: any [k, n] ----------------------------------------------------------
+
+
+def _padded_shape_by_search(k, n, group_size):
+    """The runnable (k', n') >= (k, n) with the fewest elements, by trying them all."""
+    def runs(kk, nn):
+        try:
+            jm.shapes.check_layer(kk, nn, group_size)
+            return True
+        except ValueError:
+            return False
+    candidates = [(kk * nn, kk, nn) for kk in range(k, k + 257) for nn in range(n, n + 193)
+                  if kk % 64 == 0 and nn % 64 == 0 and runs(kk, nn)]
+    return min(candidates)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_padded_shape_is_the_smallest_that_runs(group_size):
+    for k in range(1, 700, 37):
+        for n in range(1, 700, 41):
+            k_pad, n_pad = jm.padded_shape(k, n, group_size)
+            elements, *_ = _padded_shape_by_search(k, n, group_size)
+            assert k_pad >= k and n_pad >= n and k_pad * n_pad == elements, (k, n)
+            jm.shapes.check_layer(k_pad, n_pad, group_size)
+    for (k, n), padded in ODD.items():
+        assert jm.padded_shape(k, n, group_size) == padded[group_size]
+    # Aligned shapes cost nothing; on a tie n is padded (x stays as it is).
+    for k, n, g in LAYERS + [(4096, 11008, 128), (28672, 8192, 32)]:
+        assert jm.padded_shape(k, n, g) == (k, n)
+    assert jm.padded_shape(192, 192, -1) == (192, 256)
+
+
+def test_padded_shape_bad_input():
+    with pytest.raises(ValueError, match="group_size = 96"):
+        jm.padded_shape(128, 128, 96)
+    with pytest.raises(ValueError, match=r"\[0, 128\] must be positive"):
+        jm.padded_shape(0, 128, 128)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jm.padded_shape(2**17, 2**17, 128)
+    with pytest.raises(TypeError, match="k must be an int"):
+        jm.padded_shape(128.0, 128, 128)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("k,n", list(ODD))
+def test_quantize_pads_odd_shapes(rng, k, n, group_size):
+    weight = random_weight(rng, k, n)
+    w = jm.quantize(weight, group_size=group_size)
+    k_pad, n_pad = ODD[(k, n)][group_size]
+    assert (w.k, w.n) == (k, n) and w.padded_shape == (k_pad, n_pad)
+    assert w.qweight.shape == (k_pad // 16, 2 * n_pad)
+    # The padded weight is exactly the quantization of the zero-padded one...
+    padded = jm.quantize(np.pad(weight, ((0, k_pad - k), (0, n_pad - n))), group_size=group_size)
+    np.testing.assert_array_equal(np.asarray(w.qweight), np.asarray(padded.qweight))
+    np.testing.assert_array_equal(np.asarray(w.scales), np.asarray(padded.scales))
+    # ... whose padding is exactly zero, and whose real part dequantizes to the
+    # logical [k, n] within half a step.
+    full = np.asarray(jm.dequantize(jm.MarlinWeight(w.qweight, w.scales, k_pad, n_pad,
+                                                    group_size), jnp.float32))
+    assert not full[k:].any() and not full[:, n:].any()
+    deq = np.asarray(jm.dequantize(w, jnp.float32))
+    assert deq.shape == (k, n)
+    np.testing.assert_array_equal(deq, full[:k, :n])
+    q, scales = (np.asarray(a) for a in jm.unpack(w))
+    g = k_pad if group_size == -1 else group_size
+    assert q.shape == (k, n) and scales.shape == (-(-k // g), n)
+    step = np.repeat(scales.astype(np.float32), g, axis=0)[:k]
+    assert np.all(np.abs(deq - weight) <= step * (0.5 + 7.5 * 2**-11))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_partial_last_group_scale_comes_from_its_real_rows(rng, group_size):
+    # k = 1000: the last group holds 1000 % g real rows (8, 40 or 104) and
+    # g - that many padded ones. Make its real rows the largest of the column
+    # everywhere else, so a scale taken over a wrong row range shows.
+    k, n = 1000, 64
+    real = k % group_size
+    weight = random_weight(rng, k, n)
+    weight[k - real:] *= 0.25
+    weight[k - real - 1] = 40.0  # the row just before the last group
+    w = jm.quantize(weight, group_size=group_size)
+    _, scales = jm.unpack(w)
+    expected = np.abs(weight[k - real:]).max(axis=0) / 7.5
+    np.testing.assert_allclose(np.asarray(scales[-1], np.float32), expected, rtol=2**-10)
+    assert scales.shape == (k // group_size + 1, n)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_pack_odd_shapes_round_trip(rng, group_size):
+    k, n = 1000, 576
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    q = random_q(rng, k, n)
+    scales = rng.uniform(0.01, 1, size=(groups, n)).astype(jnp.bfloat16)
+    w = jm.pack(q, scales, group_size=group_size)
+    assert w.padded_shape == ODD[(k, n)][group_size] and w.dtype == jnp.bfloat16
+    q2, s2 = jm.unpack(w)
+    np.testing.assert_array_equal(np.asarray(q2), q)
+    np.testing.assert_array_equal(np.asarray(s2), scales)
+    g = k if group_size == -1 else group_size
+    deq = (q - 8) * np.repeat(scales.astype(np.float32), g, axis=0)[:k]
+    np.testing.assert_array_equal(np.asarray(jm.dequantize(w, jnp.float32)), deq)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_quantize_all_zero_group(group_size):
     weight = np.zeros((128, 64), np.float32)
     weight[:, 1] = -1.0
-    w = jm.quantize(weight, group_size=128)
+    w = jm.quantize(weight, group_size=group_size)
     deq = np.asarray(jm.dequantize(w, jnp.float32))
     np.testing.assert_array_equal(deq[:, [0, *range(2, 64)]], 0.0)  # no 0/0
     step = 1.0 / 7.5
@@ -142,6 +278,8 @@ def test_dequantize_dtypes(rng):
     w = jm.quantize(random_weight(rng, 128, 128), group_size=128)
     assert jm.dequantize(w).dtype == jnp.float16
     assert jm.dequantize(w, jnp.float32).shape == (128, 128)
+    wb = jm.quantize(random_weight(rng, 128, 100), group_size=32, dtype=jnp.bfloat16)
+    assert jm.dequantize(wb).dtype == jnp.bfloat16 and jm.dequantize(wb).shape == (128, 100)
 
 
 def test_quantize_is_traceable(rng):
@@ -150,6 +288,10 @@ def test_quantize_is_traceable(rng):
     assert isinstance(w, jm.MarlinWeight)
     assert w.qweight.shape == (64, 1024) and w.qweight.dtype == jnp.int32
     assert w.scales.shape == (8, 512) and w.scales.dtype == jnp.float16
+    odd = jax.eval_shape(lambda a: jm.quantize(a, group_size=32),
+                         jax.ShapeDtypeStruct((1000, 576), jnp.bfloat16))
+    assert odd.qweight.shape == (64, 1152) and odd.scales.shape == (32, 576)
+    assert odd.scales.dtype == jnp.bfloat16 and (odd.k, odd.n) == (1000, 576)
     # jit gives the same bits as eager.
     real = random_weight(rng, 1024, 512)
     a = jm.quantize(real, group_size=128)
@@ -165,17 +307,19 @@ def test_marlin_weight_is_a_pytree(rng):
     assert (w2.k, w2.n, w2.group_size) == (128, 64, 128)
     assert w.shape == (128, 64)
     assert w.nbytes == 128 * 64 // 2 + 64 * 2
-    assert "k=128" in repr(w)
+    assert "k=128" in repr(w) and "padded" not in repr(w)
+    # Padded: the logical shape stays; bytes are those stored (padded).
+    odd = jm.quantize(random_weight(rng, 100, 64), group_size=32, dtype=jnp.bfloat16)
+    assert odd.shape == (100, 64) and odd.padded_shape == (128, 64)
+    assert odd.nbytes == 128 * 64 // 2 + 4 * 64 * 2
+    assert "padded to [128, 64]" in repr(odd)
 
 
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(shape=(100, 128)), ValueError, "k = 100"),
-        (dict(shape=(128, 100)), ValueError, "n = 100"),
-        (dict(shape=(192, 192), group_size=-1), ValueError, "multiple of 128"),
-        (dict(shape=(192, 128)), ValueError, "multiple of group_size"),
-        (dict(shape=(128, 128), group_size=64), ValueError, "group_size = 64"),
+        (dict(shape=(128, 128), group_size=96), ValueError, "group_size = 96"),
+        (dict(shape=(0, 128)), ValueError, r"\[0, 128\] must be positive"),
         (dict(shape=(128,)), ValueError, "2-D"),
         (dict(shape=(128, 128), dtype=np.int32), TypeError, "float"),
     ],
@@ -201,6 +345,8 @@ def test_pack_bad_input(rng):
         jm.pack(q + 1, ok, group_size=128)
     with pytest.raises(ValueError, match="scales.shape"):
         jm.pack(q, np.ones((2, 64), np.float16), group_size=128)
+    with pytest.raises(ValueError, match=r"expected \(4, 64\)"):  # ceil(100 / 32) groups
+        jm.pack(q[:100], np.ones((3, 64), np.float16), group_size=32)
     with pytest.raises(TypeError, match="integers"):
         jm.pack(q.astype(np.float32), ok, group_size=128)
     with pytest.raises(TypeError, match="MarlinWeight"):

@@ -15,15 +15,19 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
-from conftest import FP16_U, float64_reference, random_weight, random_x, rel_err
+from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
 from jax_marlin.sharding import shard_weight, weight_specs
 
 # Row parallel (k sharded) adds P float16 partial products, each rounded once,
 # with P - 1 float16 additions, instead of rounding one float32 sum: measured
 # ||y - ref|| / ||ref|| = 0.4 u (unsharded), 0.8 u (4 shards), 1.0 u (8 shards)
 # on random data. 2 u leaves room without hiding a wrong shard, which would be
-# off by O(1).
+# off by O(1). The same roundings in bfloat16 have u = BF16_U; adding the bias
+# after the all-reduce rounds once more (at most u).
 K_TOL = 2 * FP16_U
+K_TOLS = {np.dtype(np.float16): 3 * FP16_U, np.dtype(jnp.bfloat16): 3 * BF16_U}
+# Unsharded rows or columns: the kernel's own single rounding (test_matmul.py).
+TOLS = {np.dtype(np.float16): FP16_U + 1e-5, np.dtype(jnp.bfloat16): BF16_U + 1e-5}
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -68,8 +72,9 @@ def test_weight_specs():
                                                             P(None, None))
     with pytest.raises(ValueError, match="at most 2"):
         weight_specs(P("a", "b", "c"), 128)
-    with pytest.raises(ValueError, match="group_size = 64"):
-        weight_specs(P(), 64)
+    assert weight_specs(P("model", None), 32) == (P("model", None), P("model", None))
+    with pytest.raises(ValueError, match="group_size = 96"):
+        weight_specs(P(), 96)
 
 
 @pytest.mark.parametrize("group_size", [128, -1])
@@ -163,6 +168,53 @@ def test_layout_matches_unsharded(rng, mesh, layout, group_size):
     y_eager = jm.matmul(xs, ws)
     assert y_eager.sharding.spec == y_spec
     np.testing.assert_array_equal(np.asarray(y_eager), np.asarray(y))
+
+
+# (layout, bias spec): the bias follows y's columns.
+BIAS_LAYOUTS = [("n", P("model")), ("k", P()), ("m", P()), ("data-x-k", P()),
+                ("k-x-n", P("model"))]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("layout,bias_spec", BIAS_LAYOUTS, ids=[b[0] for b in BIAS_LAYOUTS])
+def test_bias_under_each_sharding(rng, mesh, layout, bias_spec, dtype):
+    # n sharded: each shard's kernel adds its slice of the bias. k sharded: the
+    # kernels run without it and it is added once after the all-reduce, which
+    # stays the only collective.
+    x_spec, w_spec, y_spec, k_sharded = LAYOUTS[layout]
+    k, n = 1024, 512
+    w = jm.quantize(random_weight(rng, k, n), group_size=64, dtype=dtype)
+    x = random_x(rng, 4, 8, k, dtype=dtype)
+    # As large as the products: a bias added per shard (4x) or not at all
+    # is far outside the tolerance.
+    bias = (rng.standard_normal(n) * np.sqrt(k)).astype(dtype)
+    args = (jax.device_put(x, NamedSharding(mesh, x_spec)), shard_weight(w, mesh, w_spec),
+            jax.device_put(bias, NamedSharding(mesh, bias_spec)))
+
+    def fn(x, w, b):
+        return jm.matmul(x, w, bias=b)
+
+    assert collectives(fn, *args) == expected_collectives(all_reduce=int(k_sharded))
+    y = jax.jit(fn)(*args)
+    assert y.sharding.spec == y_spec and y.dtype == dtype
+    tol = (K_TOLS if k_sharded else TOLS)[np.dtype(dtype)]
+    assert rel_err(y, float64_reference(x, w, bias)) <= tol
+
+
+def test_padded_weight_row_parallel(rng, mesh):
+    # [1000, 576] is stored as [1024, 576]; k = 1024 splits into 4 shards of
+    # 256 rows (the last one holds the 24 padded rows); x is padded to match.
+    w = jm.quantize(random_weight(rng, 1000, 576), group_size=128)
+    assert w.padded_shape == (1024, 576)
+    x = random_x(rng, 16, 1000)
+    bias = random_x(rng, 576)
+    ws = shard_weight(w, mesh, P("model", None))
+    y = jax.jit(lambda x, w, b: jm.matmul(x, w, bias=b))(x, ws, bias)
+    assert y.shape == (16, 576)
+    assert rel_err(y, float64_reference(x, w, bias)) <= K_TOLS[np.dtype(np.float16)]
+    # n = 576 cannot split 4 ways into whole 64-column chunks.
+    with pytest.raises(ValueError, match="n_local = 144"):
+        shard_weight(w, mesh, P(None, "model"))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

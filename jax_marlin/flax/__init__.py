@@ -15,6 +15,7 @@ Needs ``flax`` (and ``tqdm`` for the progress bar of ``quantize_model``); the
 core ``jax_marlin`` package does not import this subpackage.
 """
 
+from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.flax.linen import MARLIN_COLLECTION, MarlinDense, dense_to_marlin, params_to_marlin
 from jax_marlin.flax.nnx import (
     MarlinLinear,
@@ -36,6 +37,7 @@ __all__ = [
     "SkippedLayer",
     "dense_to_marlin",
     "get_partition_spec",
+    "matmul_dtype",
     "params_to_marlin",
     "quantize_model",
 ]

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_marlin import shapes
+from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
 from jax_marlin.primitive import matmul
 
@@ -36,23 +37,29 @@ class MarlinDense(nn.Module):
     """``y [..., features] = x [..., k] @ W + bias`` with a 4-bit ``W``, like ``nn.Dense``.
 
     At ``init`` the float kernel ``[k, features]`` is drawn with ``kernel_init``
-    from the ``"params"`` rng (the same draw as ``nn.Dense``) and quantized;
-    the ``MarlinWeight`` is stored as ``variables["marlin"][...]["weight"]``.
+    from the ``"params"`` rng (the same draw as ``nn.Dense``) and quantized
+    (padded if the kernel does not take its shape as it is); the
+    ``MarlinWeight`` is stored as ``variables["marlin"][...]["weight"]``.
+
+    The matmul runs in the dtype of the weight's scales, at ``init``
+    ``jax_marlin.flax.matmul_dtype(dtype, param_dtype)`` (float16 or
+    bfloat16); inputs and the bias are cast to it and the bias is added inside
+    the kernel, before its one rounding.
 
     Attributes:
-      features: n, a multiple of 64; ``k = x.shape[-1]`` a multiple of 64 (and
-        of ``group_size`` for 128); one of k and n a multiple of 128.
+      features: n; ``k = x.shape[-1]``.
       use_bias: add a bias ``[features]``, a ``"params"`` variable in ``param_dtype``.
-      dtype: dtype of the result; ``None`` returns the dtype of ``x``. The matmul
-        itself always runs in float16 (the kernel's only activation dtype).
+      dtype: dtype of the result, and of the matmul when float16 or bfloat16;
+        ``None`` returns the dtype of ``x``.
       param_dtype: dtype the float kernel is drawn in, and of the bias.
-      group_size: 128 (one float16 scale per 128 rows of k) or -1 (one per column).
+      group_size: 32, 64 or 128 (one scale per that many rows of k) or -1 (one
+        per column).
       kernel_init: initializer for the float kernel.
       bias_init: initializer for the bias.
 
-    Gradients with respect to ``x`` are not available yet (``jm.matmul`` has
-    no differentiation rule); the bias can be differentiated as long as no
-    differentiated value flows into ``x``.
+    Gradients with respect to ``x`` are not available yet (``jm.matmul`` is
+    differentiable in the bias only); the bias can be differentiated as long
+    as no differentiated value flows into ``x``.
     """
 
     features: int
@@ -70,12 +77,13 @@ class MarlinDense(nn.Module):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"inputs.dtype is {x.dtype}; MarlinDense takes floating-point inputs")
         k = x.shape[-1]
-        shapes.check_layer(k, self.features, self.group_size)
+        shapes.padded_shape(k, self.features, self.group_size)
 
         def init_weight():
             kernel = self.kernel_init(self.make_rng("params"), (k, self.features),
                                       self.param_dtype)
-            return quantize(kernel, group_size=self.group_size)
+            return quantize(kernel, group_size=self.group_size,
+                            dtype=matmul_dtype(self.dtype, self.param_dtype))
 
         weight = self.variable(MARLIN_COLLECTION, "weight", init_weight).value
         if not isinstance(weight, MarlinWeight):
@@ -85,13 +93,11 @@ class MarlinDense(nn.Module):
             raise ValueError(f"the MarlinWeight has n = {weight.n} columns, but features = "
                              f"{self.features}")
         out_dtype = x.dtype if self.dtype is None else jnp.dtype(self.dtype)
-        y = matmul(x.astype(jnp.float16), weight)
+        bias = None
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            # Add in the wider of the two dtypes so the result is rounded once.
-            acc = jnp.promote_types(out_dtype, bias.dtype)
-            y = y.astype(acc) + bias.astype(acc)
-        return y.astype(out_dtype)
+            bias = bias.astype(weight.dtype)
+        return matmul(x.astype(weight.dtype), weight, bias=bias).astype(out_dtype)
 
 
 def _is_dense(tree: Any) -> bool:
@@ -99,12 +105,15 @@ def _is_dense(tree: Any) -> bool:
             and getattr(tree["kernel"], "ndim", None) == 2)
 
 
-def dense_to_marlin(params: Mapping[str, Any], *, group_size: int = 128) -> dict[str, Any]:
+def dense_to_marlin(params: Mapping[str, Any], *, group_size: int = 128,
+                    dtype: Any = None) -> dict[str, Any]:
     """Converts one ``nn.Dense``'s params to a ``MarlinDense``'s variables.
 
     Args:
       params: ``{"kernel": [k, n], "bias": [n]}`` (``"bias"`` optional).
-      group_size: 128 or -1.
+      group_size: 32, 64, 128 or -1.
+      dtype: float16 or bfloat16, the dtype the layer's matmul will run in;
+        ``None``: the kernel's dtype if it is one of these, else float16.
 
     Returns:
       ``{"params": {"bias": [n]}, "marlin": {"weight": MarlinWeight}}``
@@ -115,7 +124,7 @@ def dense_to_marlin(params: Mapping[str, Any], *, group_size: int = 128) -> dict
         raise ValueError(f"params must be an nn.Dense's {{'kernel': [k, n], 'bias': [n]}}, "
                          f"got {keys}")
     out: dict[str, Any] = {"params": {}, MARLIN_COLLECTION: {
-        "weight": quantize(params["kernel"], group_size=group_size)}}
+        "weight": quantize(params["kernel"], group_size=group_size, dtype=dtype)}}
     if "bias" in params:
         out["params"]["bias"] = params["bias"]
     return out
@@ -125,6 +134,7 @@ def params_to_marlin(
     params: Mapping[str, Any],
     *,
     group_size: int = 128,
+    dtype: Any = None,
     filter: Callable[[Path, Mapping[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
     """Converts every ``nn.Dense`` in a nested ``params`` tree for ``MarlinDense``.
@@ -138,20 +148,21 @@ def params_to_marlin(
 
     Args:
       params: ``variables["params"]`` of a float model.
-      group_size: 128 or -1.
+      group_size: 32, 64, 128 or -1.
+      dtype: the dtype of the scales (float16 or bfloat16); ``None``: each
+        kernel's dtype if it is one of these, else float16.
       filter: picks layers by their path (tuple of names) and params.
 
     Returns:
       ``{"params": ..., "marlin": ...}``, both trees nested like ``params``.
 
-    Raises ``ValueError`` naming every selected layer whose shape the kernel
-    cannot take (exclude them with ``filter``): unlike nnx, the linen module
-    code fixes which layers are ``MarlinDense``, so a layer cannot quietly stay
+    Shapes the kernel does not take as they are are padded. Raises
+    ``ValueError`` naming every selected layer it cannot take even so (too
+    large; exclude them with ``filter``): unlike nnx, the linen module code
+    fixes which layers are ``MarlinDense``, so a layer cannot quietly stay
     float. Traceable: ``jax.eval_shape(params_to_marlin, params)`` allocates nothing.
     """
-    if group_size not in shapes.GROUP_SIZES:
-        raise ValueError(f"group_size = {group_size} is not supported; expected one of "
-                         f"{shapes.GROUP_SIZES}")
+    shapes.check_group_size(group_size)
     selected: set[Path] = set()
     unfit: list[str] = []
 
@@ -160,7 +171,7 @@ def params_to_marlin(
             if filter is None or filter(path, tree):
                 k, n = tree["kernel"].shape
                 try:
-                    shapes.check_layer(k, n, group_size)
+                    shapes.padded_shape(k, n, group_size)
                 except ValueError as e:
                     unfit.append(f"  {'/'.join(path)}: kernel [{k}, {n}]: {e}")
                 selected.add(path)
@@ -177,7 +188,7 @@ def params_to_marlin(
 
     def convert(tree, path):
         if path in selected:
-            return dense_to_marlin(tree, group_size=group_size)
+            return dense_to_marlin(tree, group_size=group_size, dtype=dtype)
         out: dict[str, Any] = {"params": {}, MARLIN_COLLECTION: {}}
         if not isinstance(tree, Mapping):
             out["params"] = tree

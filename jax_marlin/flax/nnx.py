@@ -2,8 +2,8 @@
 
     from jax_marlin.flax import MarlinLinear, QuantizedWeight, quantize_model
 
-    layer = MarlinLinear(4096, 11008, rngs=nnx.Rngs(0))  # y [..., 11008] = x [..., 4096] @ W
-    model = quantize_model(model)  # every nnx.Linear the kernel can take -> MarlinLinear
+    layer = MarlinLinear(4096, 11008, rngs=nnx.Rngs(0))  # y [..., 11008] = x [..., 4096] @ W + b
+    model = quantize_model(model)  # every nnx.Linear -> MarlinLinear
 
 The packed weight sits in a :class:`QuantizedWeight` variable, not an
 ``nnx.Param``: ``nnx.grad`` and ``nnx.Optimizer`` (which take ``nnx.Param``)
@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jax_marlin import shapes
+from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
 from jax_marlin.primitive import matmul
 from jax_marlin.sharding import weight_specs
@@ -55,8 +56,8 @@ class QuantizedWeight(nnx.Variable):
     """An ``nnx.Variable`` holding a :class:`~jax_marlin.MarlinWeight`.
 
     Its value is the whole ``MarlinWeight`` pytree (``qweight`` int32
-    ``[k // 16, 2 n]``, ``scales`` float16 ``[groups, n]``; ``k``, ``n``,
-    ``group_size`` static), so ``nnx.state``, ``nnx.update``, ``nnx.split`` /
+    ``[k_pad // 16, 2 n_pad]``, ``scales`` float16 or bfloat16 ``[groups, n_pad]``;
+    ``k``, ``n``, ``group_size`` static), so ``nnx.state``, ``nnx.update``, ``nnx.split`` /
     ``nnx.merge`` and Orbax see two arrays per layer. Not an ``nnx.Param``: the
     packed integers are not trainable.
     """
@@ -68,15 +69,23 @@ class MarlinLinear(nnx.Module):
     A drop-in for ``nnx.Linear`` at inference: the kernel is drawn in float
     with ``kernel_init`` (from the same ``rngs.params()`` draw as
     ``nnx.Linear``) and quantized once, here, with :func:`jax_marlin.quantize`.
+    Any shape: one the kernel does not run as it is is padded
+    (``jax_marlin.padded_shape``), at the cost of the padded weight bytes.
+
+    The matmul runs in float16 or bfloat16, the dtype of the weight's scales:
+    ``dtype`` if that is one of them, else ``param_dtype`` if that is, else
+    float16 (a float32 layer). Inputs and the bias are cast to it; the bias
+    is added inside the kernel, before its one rounding.
 
     Args:
-      in_features: k, a multiple of 64 (and of ``group_size`` for 128).
-      out_features: n, a multiple of 64; one of k and n a multiple of 128.
+      in_features: k.
+      out_features: n.
       use_bias: add a bias ``[out_features]``, an ``nnx.Param`` in ``param_dtype``.
-      dtype: dtype of the result; ``None`` returns the dtype of ``x``. The matmul
-        itself always runs in float16 (the kernel's only activation dtype).
+      dtype: dtype of the result, and of the matmul when float16 or bfloat16;
+        ``None`` returns the dtype of ``x``.
       param_dtype: dtype ``kernel_init`` draws the float kernel in, and of the bias.
-      group_size: 128 (one float16 scale per 128 rows of k) or -1 (one per column).
+      group_size: 32, 64 or 128 (one scale per that many rows of k) or -1 (one
+        per column).
       kernel_init: initializer for the float ``[in_features, out_features]`` kernel.
       bias_init: initializer for the bias.
       rngs: the ``params`` stream draws the kernel, then the bias.
@@ -100,7 +109,7 @@ class MarlinLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         # Refuse a shape the kernel cannot take before drawing anything.
-        shapes.check_layer(in_features, out_features, group_size)
+        shapes.padded_shape(in_features, out_features, group_size)
         kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         # A kernel_init wrapped with nnx.with_partitioning returns the array
         # with its metadata; the metadata (out_sharding over the logical
@@ -108,7 +117,8 @@ class MarlinLinear(nnx.Module):
         metadata = {}
         if isinstance(kernel, nnx.VariableMetadata):
             kernel, metadata = kernel.raw_value, dict(kernel.metadata)
-        packed = quantize(kernel, group_size=group_size)
+        packed = quantize(kernel, group_size=group_size,
+                          dtype=matmul_dtype(dtype, param_dtype))
         sharding = metadata.get("out_sharding")
         if sharding and nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty:
             # Flax's own eager sharding would put one spec on both leaves,
@@ -133,8 +143,9 @@ class MarlinLinear(nnx.Module):
     def from_linear(cls, linear: nnx.Linear, *, group_size: int = 128) -> MarlinLinear:
         """Quantizes an ``nnx.Linear``'s kernel ``[in, out]``; copies its bias and dtypes.
 
-        Raises ``ValueError`` (from ``check_layer``) if the kernel's shape does
-        not fit. Traceable: works inside ``nnx.eval_shape`` and ``nnx.jit``.
+        Raises ``ValueError`` (from ``padded_shape``) if the kernel's shape
+        does not fit even padded (too large). Traceable: works inside
+        ``nnx.eval_shape`` and ``nnx.jit``.
         """
         if not isinstance(linear, nnx.Linear):
             raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
@@ -161,24 +172,20 @@ class MarlinLinear(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs [..., in_features]`` float -> ``[..., out_features]`` in ``dtype``.
 
-        ``inputs`` are rounded to float16 for the kernel (values beyond
-        ±65504 become inf). There is no gradient with respect to ``inputs``
-        yet: ``jm.matmul`` has no differentiation rule, so only losses in
-        which no differentiated value flows into a ``MarlinLinear`` can be
-        differentiated (the bias itself is fine).
+        ``inputs`` and the bias are rounded to the weight's dtype (float16:
+        values beyond ±65504 become inf). There is no gradient with respect
+        to ``inputs`` yet: ``jm.matmul`` is differentiable in the bias only,
+        so only losses in which no differentiated value flows into a
+        ``MarlinLinear``'s input can be differentiated.
         """
         x = jnp.asarray(inputs)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"inputs.dtype is {x.dtype}; MarlinLinear takes floating-point "
                             f"inputs [..., {self.in_features}]")
         out_dtype = x.dtype if self.dtype is None else jnp.dtype(self.dtype)
-        y = matmul(x.astype(jnp.float16), self.weight.get_value())
-        if self.bias is not None:
-            bias = self.bias[...]
-            # Add in the wider of the two dtypes so the result is rounded once.
-            acc = jnp.promote_types(out_dtype, bias.dtype)
-            y = y.astype(acc) + bias.astype(acc)
-        return y.astype(out_dtype)
+        w = self.weight.get_value()
+        bias = None if self.bias is None else self.bias[...].astype(w.dtype)
+        return matmul(x.astype(w.dtype), w, bias=bias).astype(out_dtype)
 
 
 def get_partition_spec(tree):
@@ -223,13 +230,23 @@ def _nbytes(a) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedLayer:
-    """An ``nnx.Linear`` at ``path`` replaced by a ``MarlinLinear`` with a ``[k, n]`` weight."""
+    """An ``nnx.Linear`` at ``path`` replaced by a ``MarlinLinear`` with a ``[k, n]`` weight.
+
+    ``k_pad``, ``n_pad``: the packed (padded) shape, ``k``, ``n`` unless the
+    kernel needed padding.
+    """
 
     path: Path
     k: int
     n: int
     bytes_before: int  # the float kernel, in its stored dtype
-    bytes_after: int  # qweight + scales
+    bytes_after: int  # qweight + scales, padded
+    k_pad: int
+    n_pad: int
+
+    @property
+    def padded(self) -> bool:
+        return (self.k_pad, self.n_pad) != (self.k, self.n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +267,7 @@ class QuantizeSummary:
 
     Attributes:
       group_size: the group size used.
-      replaced: layers now ``MarlinLinear``.
+      replaced: layers now ``MarlinLinear`` (``layer.padded``: stored padded).
       skipped: layers the filter selected that stay ``nnx.Linear``, with the reason.
       excluded: paths of layers the filter turned down.
 
@@ -279,6 +296,8 @@ class QuantizeSummary:
             ratio = self.bytes_before / max(self.bytes_after, 1)
             lines.append(f"  replaced kernels: {self.bytes_before / 2**20:.2f} MiB -> "
                          f"{self.bytes_after / 2**20:.2f} MiB ({ratio:.1f}x smaller)")
+        lines += [f"  padded: {_path_str(q.path)} [{q.k}, {q.n}] -> [{q.k_pad}, {q.n_pad}]"
+                  for q in self.replaced if q.padded]
         lines += [f"  kept in float: {_path_str(s.path)} [{s.k}, {s.n}]: {s.reason}"
                   for s in self.skipped]
         if self.excluded:
@@ -378,7 +397,7 @@ def quantize_model(
 
     Args:
       model: an ``nnx.Module`` (or any graph of them).
-      group_size: 128 or -1, passed to :func:`jax_marlin.quantize`.
+      group_size: 32, 64, 128 or -1, passed to :func:`jax_marlin.quantize`.
       filter: ``filter(path, linear) -> bool`` picks the layers to quantize,
         ``path`` being the tuple of attribute names / indices from ``model``
         (e.g. ``("blocks", 0, "mlp", "up")``); ``None`` picks all.
@@ -390,17 +409,17 @@ def quantize_model(
       an ``nnx.Linear``), or ``(model, summary)`` with ``summary=True``. The
       summary is also logged at INFO level to ``jax_marlin.flax.nnx``.
 
-    A picked layer whose kernel shape the Marlin kernel cannot take (see
-    ``jax_marlin.shapes.check_layer``), or a subclass of ``nnx.Linear`` (its
-    ``__call__`` may do more than a matmul), stays as it is; one warning lists
-    all such layers with their shapes and the reason.
+    Each layer runs in its own dtype when that is float16 or bfloat16
+    (``jax_marlin.flax.matmul_dtype``). Shapes the kernel does not take as
+    they are are padded (``jax_marlin.padded_shape``; listed in the summary). A picked
+    layer too large for the kernel even so, or a subclass of ``nnx.Linear``
+    (its ``__call__`` may do more than a matmul), stays as it is; one warning
+    lists all such layers with their shapes and the reason.
 
     Traceable: ``nnx.eval_shape(lambda: quantize_model(Model(rngs=nnx.Rngs(0))))``
     gives the abstract quantized model without allocating any weight.
     """
-    if group_size not in shapes.GROUP_SIZES:
-        raise ValueError(f"group_size = {group_size} is not supported; expected one of "
-                         f"{shapes.GROUP_SIZES}")
+    shapes.check_group_size(group_size)
     replaced: list[QuantizedLayer] = []
     skipped: list[SkippedLayer] = []
     excluded: list[Path] = []
@@ -418,14 +437,15 @@ def quantize_model(
                                             f"of nnx.Linear; its __call__ may do more than x @ W"))
             else:
                 try:
-                    shapes.check_layer(k, n, group_size)
+                    shapes.padded_shape(k, n, group_size)
                 except ValueError as e:
                     skipped.append(SkippedLayer(path, k, n, str(e)))
                 else:
                     layer = MarlinLinear.from_linear(linear, group_size=group_size)
                     new_layers[id(linear)] = layer
+                    w = layer.weight.get_value()
                     replaced.append(QuantizedLayer(path, k, n, _nbytes(linear.kernel.get_value()),
-                                                   layer.weight.get_value().nbytes))
+                                                   w.nbytes, w.k_pad, w.n_pad))
             if bar is not None:
                 bar.update(1)
     finally:
