@@ -88,7 +88,10 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  static constexpr int shared_bytes = 16 * cmax(pipeline, cmax(reduce, write));
+  // The fp32 partial sums of one output tile, staged by the global reduction.
+  static constexpr int global_reduce = 16 * thread_m_blocks * 16 * thread_n_blocks / 4;
+  static constexpr int shared_bytes =
+      16 * cmax(cmax(pipeline, global_reduce), cmax(reduce, write));
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
@@ -789,18 +792,29 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
       constexpr int frag_float4s = thread_m_blocks * 4 * 2;  // per thread
       float4 *frag = reinterpret_cast<float4 *>(&frag_c);
+      if (!first) {
+        // All of the tile's partial sums in flight at once, through L2 (they
+        // were written by another SM) into the now idle shared memory: one
+        // round trip instead of one per float4, which plain loads interleaved
+        // with the stores below would cost.
+#pragma unroll
+        for (int f = 0; f < frag_float4s; f++)
+          cp_async4_pred(&sh[f * active_threads + threadIdx.x],
+                         &c_tmp[f * active_threads + threadIdx.x], 16 * (f / 8) < prob_m);
+        cp_async_fence();
+        cp_async_wait<0>();  // each thread reads back only its own copies
+      }
 #pragma unroll
       for (int f = 0; f < frag_float4s; f++) {
         if (16 * (f / 8) < prob_m) {  // f / 8: the fragment's 16-row block
-          float4 *slot = &c_tmp[f * active_threads + threadIdx.x];
           if (!first) {
-            float4 partial = __ldcg(slot);  // L2: written by another SM
+            float4 partial = reinterpret_cast<float4 *>(sh)[f * active_threads + threadIdx.x];
             frag[f].x += partial.x;
             frag[f].y += partial.y;
             frag[f].z += partial.z;
             frag[f].w += partial.w;
           }
-          if (!last) __stcg(slot, frag[f]);
+          if (!last) __stcg(&c_tmp[f * active_threads + threadIdx.x], frag[f]);
         }
       }
     }
