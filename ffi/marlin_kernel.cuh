@@ -222,9 +222,13 @@ __device__ inline void cp_async_fence() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Wait until at most `n` async copy stages are still pending.
+// Wait until at most `n` async copy stages are still pending. The "memory"
+// clobber keeps the compiler from hoisting plain shared-memory loads of the
+// copied data above the wait (the seed's version had none; its main loop is
+// safe through the __syncthreads that follows, the global reduction's
+// read-back of its own copies was not).
 template <int n> __device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(n));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
 // m16n8k16 tensor core mma instruction with fp16 or bf16 inputs and fp32
