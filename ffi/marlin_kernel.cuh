@@ -88,10 +88,7 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  // The fp32 partial sums of one output tile, staged by the global reduction.
-  static constexpr int global_reduce = 16 * thread_m_blocks * 16 * thread_n_blocks / 4;
-  static constexpr int shared_bytes =
-      16 * cmax(cmax(pipeline, global_reduce), cmax(reduce, write));
+  static constexpr int shared_bytes = 16 * cmax(pipeline, cmax(reduce, write));
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
@@ -222,13 +219,9 @@ __device__ inline void cp_async_fence() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Wait until at most `n` async copy stages are still pending. The "memory"
-// clobber keeps the compiler from hoisting plain shared-memory loads of the
-// copied data above the wait (the seed's version had none; its main loop is
-// safe through the __syncthreads that follows, the global reduction's
-// read-back of its own copies was not).
+// Wait until at most `n` async copy stages are still pending.
 template <int n> __device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n));
 }
 
 // m16n8k16 tensor core mma instruction with fp16 or bf16 inputs and fp32
@@ -794,31 +787,32 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     // tile's sums.
     if (threadIdx.x < active_threads) {
       float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
-      constexpr int frag_float4s = thread_m_blocks * 4 * 2;  // per thread
       float4 *frag = reinterpret_cast<float4 *>(&frag_c);
-      if (!first) {
-        // All of the tile's partial sums in flight at once, through L2 (they
-        // were written by another SM) into the now idle shared memory: one
-        // round trip instead of one per float4, which plain loads interleaved
-        // with the stores below would cost.
+      // One 16-row block (8 float4s per thread) at a time: its 8 loads are
+      // issued together and waited for once, then added and stored. (Plain
+      // L2 loads, in program order after the acquire in barrier_acquire; a
+      // version that staged the partial sums through shared memory with
+      // cp.async was faster but read stale sums now and then on the H200.)
 #pragma unroll
-        for (int f = 0; f < frag_float4s; f++)
-          cp_async4_pred(&sh[f * active_threads + threadIdx.x],
-                         &c_tmp[f * active_threads + threadIdx.x], 16 * (f / 8) < prob_m);
-        cp_async_fence();
-        cp_async_wait<0>();  // each thread reads back only its own copies
-      }
-#pragma unroll
-      for (int f = 0; f < frag_float4s; f++) {
-        if (16 * (f / 8) < prob_m) {  // f / 8: the fragment's 16-row block
+      for (int i = 0; i < thread_m_blocks; i++) {
+        if (16 * i < prob_m) {
+          float4 *slot = &c_tmp[8 * i * active_threads + threadIdx.x];
           if (!first) {
-            float4 partial = reinterpret_cast<float4 *>(sh)[f * active_threads + threadIdx.x];
-            frag[f].x += partial.x;
-            frag[f].y += partial.y;
-            frag[f].z += partial.z;
-            frag[f].w += partial.w;
+            float4 partial[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) partial[j] = __ldcg(&slot[j * active_threads]);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+              frag[8 * i + j].x += partial[j].x;
+              frag[8 * i + j].y += partial[j].y;
+              frag[8 * i + j].z += partial[j].z;
+              frag[8 * i + j].w += partial[j].w;
+            }
           }
-          if (!last) __stcg(&c_tmp[f * active_threads + threadIdx.x], frag[f]);
+          if (!last) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) __stcg(&slot[j * active_threads], frag[8 * i + j]);
+          }
         }
       }
     }
@@ -904,6 +898,10 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
 
   // Start global fetch and register load pipelines.
   auto start_pipes = [&]() {
+    // The fetches below overwrite shared memory that write_result of the
+    // previous slice may still be reading in slower warps (a race in the
+    // seed, for stripes that span more than one column slice).
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < stages - 1; i++)
       fetch_to_shared(i, i, i < slice_iters);
