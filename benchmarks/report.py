@@ -87,6 +87,7 @@ def markdown(result) -> str:
     lines = [
         f"# {result['gpu']}, jax {result['jax']}, {result.get('date', '')}",
         "",
+        *([f"Kernel: {result['kernel']}", ""] if "kernel" in result else []),
         f"Device-to-device copy measured in the run (`copy_tbps`, an XLA elementwise pass): "
         f"{result['copy_tbps']:.2f} TB/s; the limit used below is **{copy:.2f} TB/s** (read + write), "
         "the larger of that and the baseline's copy kernel on this GPU. "
@@ -313,7 +314,8 @@ def compare(old, new, key="jax_marlin g128", max_ratio=1.03) -> str:
 
     def describe(r):
         return (f"{r['gpu']}, jax {r['jax']}, {r.get('date', '')}, "
-                f"copy {r['copy_tbps']:.2f} TB/s")
+                f"copy {r['copy_tbps']:.2f} TB/s" +
+                (f"; kernel: {r['kernel']}" if "kernel" in r else ""))
 
     def err(r):
         return f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
