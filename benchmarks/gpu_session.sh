@@ -3,7 +3,7 @@
 # GPU tests, check the kernel with compute-sanitizer, and benchmark.
 #
 #   benchmarks/gpu_session.sh [stage ...]   stages, run in this order: build tests graphs
-#                                           quick formats reduction bench flax full evict
+#                                           quick formats reduction bench flax full variant
 #                                           sanitize (default: build tests quick)
 #
 #   tests      the pytest suite ($TESTS: which files, default tests/); about 450 GPU cases
@@ -16,6 +16,10 @@
 #   bench      bench_matmul.py $BENCH_ARGS
 #   full       every layer, m and variant (more than one device call's 600 s: split it
 #              with bench and --layers)
+#   variant    a second build with $VARIANT_FLAGS (default -DJAX_MARLIN_REDUCE_STAGED=1, the
+#              untested staged global reduction; -DJAX_MARLIN_B_EVICT_FIRST=1 for the L2 hint),
+#              compiled during `build`: the GPU tests ($VARIANT_TESTS, a -k filter) against it,
+#              then fp16 g128 installed vs variant on $VARIANT_LAYERS at m in $VARIANT_MS
 #   sanitize   compute-sanitizer ($SANITIZE_TOOL, default memcheck; initcheck also finds
 #              reads of the kernel's fp32 scratch before any block wrote them) over
 #              benchmarks/sanitize_cases.py, limited to $SANITIZE_TIMEOUT seconds (240)
@@ -39,11 +43,11 @@ if has build; then
     python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
   grep -E "jax_marlin:|registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
-  if has evict; then  # the hinted variant builds in the background meanwhile
-    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90;CMAKE_CUDA_FLAGS=-DJAX_MARLIN_B_EVICT_FIRST=1" \
-      python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/evict -C build-dir=/tmp/build-evict . \
-      > "$OUT/build-evict.log" 2>&1 &
-    EVICT_BUILD=$!
+  if has variant; then  # the variant builds in the background meanwhile
+    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90;CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:--DJAX_MARLIN_REDUCE_STAGED=1}" \
+      python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/variant -C build-dir=/tmp/build-variant . \
+      > "$OUT/build-variant.log" 2>&1 &
+    VARIANT_BUILD=$!
   fi
   (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
 fi
@@ -111,16 +115,21 @@ if has full; then
   tail -3 "$OUT/full.log"
 fi
 
-if has evict; then
-  # Only at m > 16: with nvcc 13.0 the hinted build is miscompiled in some
-  # small-batch tiles (ffi/marlin_kernel.cu, JAX_MARLIN_B_EVICT_FIRST).
-  step "A/B: the L2 evict-first hint on weight loads"
-  wait "$EVICT_BUILD" 2>/dev/null; tail -3 "$OUT/build-evict.log"
-  for variant in installed evict; do
-    pp=""; [ $variant = evict ] && pp=/tmp/evict
-    PYTHONPATH=$pp python3 benchmarks/bench_matmul.py --impls jax_marlin --ms 32 64 128 \
-      --layers 70b.qkv 70b.gate_up 70b.down --out "$OUT/ab-$variant.json" 2>&1 | tail -18
+if has variant; then
+  step "variant ${VARIANT_FLAGS:--DJAX_MARLIN_REDUCE_STAGED=1}: GPU tests, then A/B against the installed build"
+  wait "$VARIANT_BUILD" 2>/dev/null; tail -3 "$OUT/build-variant.log"
+  (cd /tmp && PYTHONPATH=/tmp/variant python3 -m pytest -q -s "$OLDPWD/tests/test_gpu.py" \
+    -k "${VARIANT_TESTS:-float64 or reduction or bit_identical or bias}" -p no:cacheprovider 2>&1) \
+    > "$OUT/variant-tests.log"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/variant-tests.log" | head -10; tail -1 "$OUT/variant-tests.log"
+  for build in installed variant; do
+    pp=""; [ $build = variant ] && pp=/tmp/variant
+    PYTHONPATH=$pp python3 benchmarks/bench_matmul.py --impls jax_marlin_g128 \
+      --layers ${VARIANT_LAYERS:-70b.qkv 70b.down 8b.o} --ms ${VARIANT_MS:-1 16 64 128} \
+      --out "$OUT/ab-$build.json" > "$OUT/ab-$build.log" 2>&1
   done
+  python3 benchmarks/report.py --compare "$OUT/ab-installed.json" "$OUT/ab-variant.json" \
+    --impl jax_marlin_g128 | tail -20
 fi
 
 if has sanitize; then

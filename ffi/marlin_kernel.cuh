@@ -52,6 +52,16 @@
 #define JAX_MARLIN_B_EVICT_FIRST 0
 #endif
 
+// An experimental global reduction, off by default and NOT yet run on a GPU
+// (benchmarks/NOTES.md, "fp32 reduction cost"; gpu_session.sh's `variant`
+// stage builds and A/Bs it): all partial sums of the tile are loaded first,
+// staged in the idle shared memory, so that they are in flight together, and
+// only the float4s of accumulator rows below m are moved (the default moves
+// whole 16-row blocks: 8x the bytes at m = 1).
+#ifndef JAX_MARLIN_REDUCE_STAGED
+#define JAX_MARLIN_REDUCE_STAGED 0
+#endif
+
 namespace marlin {
 
 __host__ __device__ constexpr int ceildiv(int a, int b) { return (a + b - 1) / b; }
@@ -88,7 +98,11 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  static constexpr int shared_bytes = 16 * cmax(pipeline, cmax(reduce, write));
+  // The fp32 partial sums of one output tile (JAX_MARLIN_REDUCE_STAGED only).
+  static constexpr int global_reduce =
+      JAX_MARLIN_REDUCE_STAGED ? 16 * thread_m_blocks * 16 * thread_n_blocks / 4 : 0;
+  static constexpr int shared_bytes =
+      16 * cmax(cmax(pipeline, global_reduce), cmax(reduce, write));
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
@@ -788,6 +802,32 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     if (threadIdx.x < active_threads) {
       float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
       float4 *frag = reinterpret_cast<float4 *>(&frag_c);
+#if JAX_MARLIN_REDUCE_STAGED
+      // Float4 f of a thread holds accumulator rows 16 (f / 8) + lane / 4 and
+      // 8 more (the mma C fragment); below m only if the first one is.
+      const int lane_row = (threadIdx.x % 32) / 4;
+      constexpr int frag_float4s = 8 * thread_m_blocks;
+      float4 *staged = reinterpret_cast<float4 *>(sh);
+      if (!first) {
+#pragma unroll
+        for (int f = 0; f < frag_float4s; f++)
+          if (16 * (f / 8) + lane_row < prob_m)
+            staged[f * active_threads + threadIdx.x] = __ldcg(&c_tmp[f * active_threads + threadIdx.x]);
+      }
+#pragma unroll
+      for (int f = 0; f < frag_float4s; f++) {
+        if (16 * (f / 8) + lane_row < prob_m) {
+          if (!first) {
+            float4 partial = staged[f * active_threads + threadIdx.x];
+            frag[f].x += partial.x;
+            frag[f].y += partial.y;
+            frag[f].z += partial.z;
+            frag[f].w += partial.w;
+          }
+          if (!last) __stcg(&c_tmp[f * active_threads + threadIdx.x], frag[f]);
+        }
+      }
+#else
       // One 16-row block (8 float4s per thread) at a time: its 8 loads are
       // issued together and waited for once, then added and stored. (Plain
       // L2 loads, in program order after the acquire in barrier_acquire; a
@@ -815,6 +855,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
           }
         }
       }
+#endif
     }
   };
 
