@@ -36,11 +36,6 @@ const DeviceInfo &device_info(int device) {
   return info[device];
 }
 
-std::string error_of(const char *what, cudaError_t error) {
-  return std::string("jax_marlin: ") + what + " failed: " + cudaGetErrorName(error) + " (" +
-         cudaGetErrorString(error) + ")";
-}
-
 template <typename scalar_t>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {
@@ -62,10 +57,10 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   if (m == 0) return {};
 
   int device;
-  if (cudaError_t error = cudaGetDevice(&device)) return error_of("cudaGetDevice", error);
+  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
   if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
   const DeviceInfo &info = device_info(device);
-  if (info.error) return error_of("cudaDeviceGetAttribute", info.error);
+  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
   if (info.major < 8)
     return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
            std::to_string(info.major) + "." + std::to_string(info.minor);
@@ -74,7 +69,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   // zero again, so one memset per call covers every launch below. The fp32
   // scratch needs no initial value: the first block of a tile writes it.
   if (cudaError_t error = cudaMemsetAsync(workspace, 0, workspace_size(n) * sizeof(int), stream))
-    return error_of("cudaMemsetAsync", error);
+    return cuda_error("cudaMemsetAsync", error);
 
   const ThreadConfig &config = *choose_config(m, n, k);
   const int group_blocks = group_size == -1 ? -1 : int(group_size / kTile);

@@ -1045,11 +1045,6 @@ __global__ void Marlin(const int4 *__restrict__ A, const int4 *__restrict__ B,
 
 constexpr int kStages = 4;  // 4 pipeline stages: the seed's tuned depth
 
-inline std::string cuda_error(const char *what, cudaError_t error) {
-  return std::string("jax_marlin: ") + what + " failed: " + cudaGetErrorName(error) +
-         " (" + cudaGetErrorString(error) + ")";
-}
-
 // One kernel instantiation: raise its dynamic shared memory limit once per
 // device (not on every call), then launch.
 template <typename scalar_t, int threads, int thread_m_blocks, int thread_n_blocks,

@@ -15,6 +15,12 @@ namespace marlin {
 
 constexpr int kMaxDevices = 64;
 
+// "jax_marlin: <what> failed: <name> (<description>)", for the launcher and the launches.
+inline std::string cuda_error(const char *what, cudaError_t error) {
+  return std::string("jax_marlin: ") + what + " failed: " + cudaGetErrorName(error) + " (" +
+         cudaGetErrorString(error) + ")";
+}
+
 // One launch: a batch block of at most 64 kMaxPar rows.
 struct LaunchArgs {
   const int4 *A;     // [m, k] activations
