@@ -19,7 +19,10 @@ Method: each variant gets ``ROTATE`` distinct weight sets, applied one
 after another inside one jitted call, so weights stream from HBM rather than
 the 60 MB L2; the call is dispatched ``CALLS`` times back to back and the wall
 time (after a block at the end) divided by ``CALLS * ROTATE``; that is the
-device time per matmul once the GPU is saturated. Median and spread (max - min)
+device time per matmul once the GPU is saturated. ``--inner N`` applies the
+weight sets to N distinct copies of ``x`` in the same call (N * ROTATE matmuls
+per dispatch), for layers whose matmul is shorter than the host's dispatch of
+a call. Median and spread (max - min)
 over ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its
 relative error against ``x @ dequantize(w)`` in float32, unrounded (results up
 to 2026-12-02 compared with that product rounded to float16), so a fast wrong
@@ -30,6 +33,10 @@ kernel cannot report. A device-to-device copy in the same process gives
     python benchmarks/bench_matmul.py --quick --impls formats
     python benchmarks/bench_matmul.py --impls jax_marlin_g128 --out g128.json
     python benchmarks/bench_matmul.py --out results.json
+
+It also runs against an older jax_marlin (fp16 g128 and g-1 rows only; the
+same script on both sides of a before/after comparison): fp16 weights are
+quantized without the ``dtype`` argument, which older versions do not take.
 """
 
 from __future__ import annotations
@@ -67,8 +74,11 @@ CALLS = 20
 REPEATS = 5
 
 
-def timeit(fn, *args) -> tuple[float, float]:
-    """Median and spread of the per-matmul device time in microseconds."""
+def timeit(fn, *args, inner: int = 1) -> tuple[float, float]:
+    """Median and spread of the per-matmul device time in microseconds.
+
+    ``fn`` runs ``inner * ROTATE`` matmuls per call.
+    """
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
     samples = []
@@ -77,7 +87,7 @@ def timeit(fn, *args) -> tuple[float, float]:
         for _ in range(CALLS):
             out = fn(*args)
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / (CALLS * ROTATE) * 1e6)
+        samples.append((time.perf_counter() - t0) / (CALLS * ROTATE * inner) * 1e6)
     return statistics.median(samples), max(samples) - min(samples)
 
 
@@ -132,7 +142,9 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
         for v in variants:
             impl, dtype, group_size = VARIANTS[v]
             if impl == "jax_marlin":
-                sets[v].append(jm.quantize(w, group_size=group_size, dtype=jnp.dtype(dtype)))
+                # float16 is the default dtype: kept implicit for older versions.
+                kwargs = {} if dtype == "float16" else dict(dtype=jnp.dtype(dtype))
+                sets[v].append(jm.quantize(w, group_size=group_size, **kwargs))
             elif impl == "xla_int4":
                 q, s = jm.unpack(jm.quantize(w, group_size=128, dtype=jnp.float16))
                 sets[v].append(((q - 8).astype(jnp.int4), s))
@@ -142,23 +154,26 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
     return sets
 
 
+# Each takes a list of activations (``--inner`` distinct copies, so XLA cannot
+# merge the calls) and the ROTATE weight sets.
 @jax.jit
-def _marlin(x, ws):
-    return [jm.matmul(x, w) for w in ws]
-
-
-@jax.jit
-def _dense(x, ws):
-    return [x @ w for w in ws]
+def _marlin(xs, ws):
+    return [jm.matmul(x, w) for x in xs for w in ws]
 
 
 @jax.jit
-def _int4(x, ws):
+def _dense(xs, ws):
+    return [x @ w for x in xs for w in ws]
+
+
+@jax.jit
+def _int4(xs, ws):
     out = []
-    for q, s in ws:
-        k, n = q.shape
-        w = (q.astype(jnp.float16).reshape(k // 128, 128, n) * s[:, None, :]).reshape(k, n)
-        out.append(x @ w)
+    for x in xs:
+        for q, s in ws:
+            k, n = q.shape
+            w = (q.astype(jnp.float16).reshape(k // 128, 128, n) * s[:, None, :]).reshape(k, n)
+            out.append(x @ w)
     return out
 
 
@@ -173,7 +188,8 @@ def rel_err(x, w) -> float:
     return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
 
 
-def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log) -> None:
+def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
+                inner: int = 1) -> None:
     k, n = LAYERS[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
@@ -182,7 +198,9 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
         for v in variants:
             impl, dtype, group_size = VARIANTS[v]
             x, ws = xs[dtype], sets[v]
-            median, spread = timeit(FUNCTIONS[impl], x, ws)
+            # Distinct buffers, so XLA cannot merge the calls.
+            xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(inner - 1)]
+            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=inner)
             rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
                        group_size=group_size, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
@@ -203,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=list(VARIANTS),
                         help="variants to run, or aliases: " + "; ".join(
                             f"{a} = {' '.join(v)}" for a, v in ALIASES.items()))
+    parser.add_argument("--inner", type=int, default=1,
+                        help="distinct copies of x per call (matmuls per dispatch: inner x 8)")
     parser.add_argument("--out", help="results JSON, rewritten after every layer")
     args = parser.parse_args(argv)
 
@@ -216,7 +236,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__,
                   date=datetime.date.today().isoformat(),
-                  method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS,
+                  method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS, inner=args.inner,
                               rel_err="against x @ dequantize(w) in float32, unrounded"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
     print(f"{result['gpu']}  jax {result['jax']}  copy {result['copy_tbps']} TB/s", flush=True)
@@ -227,7 +247,7 @@ def main(argv=None) -> int:
               f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
 
     for name in layers:
-        bench_layer(name, ms, variants, result["records"], log)
+        bench_layer(name, ms, variants, result["records"], log, inner=args.inner)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -17,9 +17,15 @@
 #   full       every layer, m and variant (more than one device call's 600 s: split it
 #              with bench and --layers)
 #   variant    a second build with $VARIANT_FLAGS (default -DJAX_MARLIN_REDUCE_STAGED=1, the
-#              untested staged global reduction; -DJAX_MARLIN_B_EVICT_FIRST=1 for the L2 hint),
+#              staged global reduction; -DJAX_MARLIN_B_EVICT_FIRST=1 for the L2 hint),
 #              compiled during `build`: the GPU tests ($VARIANT_TESTS, a -k filter) against it,
 #              then fp16 g128 installed vs variant on $VARIANT_LAYERS at m in $VARIANT_MS
+#              (bench_matmul.py $VARIANT_BENCH_ARGS, default --inner 4). With $SEED_SRC (a
+#              source tree of an older commit, e.g. `git archive 2fc3eba`, the seed as ported)
+#              that build joins the comparison, timed by this tree's bench_matmul.py;
+#              $AB_BUILDS picks the builds (default: seed if built, installed, variant), the
+#              first is the baseline of the comparisons. The SASS of the m = 1 and m = 64
+#              fp16 g128 kernels of each build goes to sass.txt.
 #   sanitize   compute-sanitizer ($SANITIZE_TOOL, default memcheck; initcheck also finds
 #              reads of the kernel's fp32 scratch before any block wrote them) over
 #              benchmarks/sanitize_cases.py, limited to $SANITIZE_TIMEOUT seconds (240)
@@ -48,6 +54,12 @@ if has build; then
       python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/variant -C build-dir=/tmp/build-variant . \
       > "$OUT/build-variant.log" 2>&1 &
     VARIANT_BUILD=$!
+    if [ -n "${SEED_SRC:-}" ]; then
+      JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+        python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/seed -C build-dir=/tmp/build-seed "$SEED_SRC" \
+        > "$OUT/build-seed.log" 2>&1 &
+      SEED_BUILD=$!
+    fi
   fi
   (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
 fi
@@ -122,14 +134,35 @@ if has variant; then
     -k "${VARIANT_TESTS:-float64 or reduction or bit_identical or bias}" -p no:cacheprovider 2>&1) \
     > "$OUT/variant-tests.log"
   grep -E "^(FAILED|ERROR)|^E  " "$OUT/variant-tests.log" | head -10; tail -1 "$OUT/variant-tests.log"
-  for build in installed variant; do
-    pp=""; [ $build = variant ] && pp=/tmp/variant
+  builds="installed variant"
+  if [ -n "${SEED_SRC:-}" ]; then
+    wait "$SEED_BUILD" 2>/dev/null; tail -2 "$OUT/build-seed.log"; builds="seed $builds"
+  fi
+  builds=${AB_BUILDS:-$builds}
+  base=${builds%% *}
+  for build in $builds; do
+    pp=""; [ $build != installed ] && pp=/tmp/$build
     PYTHONPATH=$pp python3 benchmarks/bench_matmul.py --impls jax_marlin_g128 \
       --layers ${VARIANT_LAYERS:-70b.qkv 70b.down 8b.o} --ms ${VARIANT_MS:-1 16 64 128} \
-      --out "$OUT/ab-$build.json" > "$OUT/ab-$build.log" 2>&1
+      ${VARIANT_BENCH_ARGS:---inner 4} --out "$OUT/ab-$build.json" >> "$OUT/ab.log" 2>&1
+    so=$(cd /tmp && PYTHONPATH=$pp python3 -c "import jax_marlin, glob, os; print(*glob.glob(os.path.dirname(jax_marlin.__file__) + '/_marlin_cuda*'))")
+    # Kernels <threads, m blocks, n blocks, k blocks, stages, group blocks>: the m = 1 and
+    # m = 64 tiles of fp16 g128 (the seed's names lack the scalar type).
+    cuobjdump -sass "$so" | c++filt | awk -v b=$build '
+      index($0, "Function : ") {
+        p = index($0, "Marlin<__half, 256, 1, 8, 8, 4, 8>") || index($0, "Marlin<__half, 256, 4, 16, 4, 4, 8>") ||
+            index($0, "Marlin<256, 1, 8, 8, 4, 8>") || index($0, "Marlin<256, 4, 16, 4, 4, 8>")
+        if (p) print "##### " b ": " $0
+        next
+      }
+      p' >> "$OUT/sass.txt"
   done
-  python3 benchmarks/report.py --compare "$OUT/ab-installed.json" "$OUT/ab-variant.json" \
-    --impl jax_marlin_g128 | tail -20
+  for build in $builds; do
+    [ $build = $base ] && continue
+    echo "--- $build against $base"
+    python3 benchmarks/report.py --compare "$OUT/ab-$base.json" "$OUT/ab-$build.json" \
+      --impl jax_marlin_g128 | tee "$OUT/ab-$build-vs-$base.md" | tail -${AB_TAIL:-8}
+  done
 fi
 
 if has sanitize; then

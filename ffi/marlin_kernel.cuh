@@ -228,6 +228,32 @@ __device__ inline void cp_async4(void *smem_ptr, const void *glob_ptr) {
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES));
 }
 
+// Predicated 16-byte L2 load and store of fp32 partial sums (the global
+// reduction). Predicates instead of branches keep all of a tile's loads in one
+// basic block, so that ptxas can have them in flight together; a load whose
+// predicate is false returns zeros.
+__device__ inline float4 ld_cg_pred(const float4 *glob_ptr, bool pred) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile("{\n"
+               "   .reg .pred p;\n"
+               "   setp.ne.b32 p, %5, 0;\n"
+               "   @p ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               "}\n"
+               : "+f"(v.x), "+f"(v.y), "+f"(v.z), "+f"(v.w)
+               : "l"(glob_ptr), "r"((int)pred));
+  return v;
+}
+
+__device__ inline void st_cg_pred(float4 *glob_ptr, const float4 &v, bool pred) {
+  asm volatile("{\n"
+               "   .reg .pred p;\n"
+               "   setp.ne.b32 p, %0, 0;\n"
+               "   @p st.global.cg.v4.f32 [%1], {%2, %3, %4, %5};\n"
+               "}\n" ::"r"((int)pred),
+               "l"(glob_ptr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
 // Async copy fence.
 __device__ inline void cp_async_fence() {
   asm volatile("cp.async.commit_group;\n" ::);
@@ -804,28 +830,32 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       float4 *frag = reinterpret_cast<float4 *>(&frag_c);
 #if JAX_MARLIN_REDUCE_STAGED
       // Float4 f of a thread holds accumulator rows 16 (f / 8) + lane / 4 and
-      // 8 more (the mma C fragment); below m only if the first one is.
+      // 8 more (the mma C fragment); it is moved only if the first is below m
+      // (at m = 1 that is 1/8 of the tile). All loads are issued before any
+      // is used: they land in this thread's own slots of the idle shared
+      // memory, which no other thread touches before barrier_release.
       const int lane_row = (threadIdx.x % 32) / 4;
       constexpr int frag_float4s = 8 * thread_m_blocks;
       float4 *staged = reinterpret_cast<float4 *>(sh);
       if (!first) {
 #pragma unroll
         for (int f = 0; f < frag_float4s; f++)
-          if (16 * (f / 8) + lane_row < prob_m)
-            staged[f * active_threads + threadIdx.x] = __ldcg(&c_tmp[f * active_threads + threadIdx.x]);
-      }
+          staged[f * active_threads + threadIdx.x] = ld_cg_pred(
+              &c_tmp[f * active_threads + threadIdx.x], 16 * (f / 8) + lane_row < prob_m);
 #pragma unroll
-      for (int f = 0; f < frag_float4s; f++) {
-        if (16 * (f / 8) + lane_row < prob_m) {
-          if (!first) {
-            float4 partial = staged[f * active_threads + threadIdx.x];
-            frag[f].x += partial.x;
-            frag[f].y += partial.y;
-            frag[f].z += partial.z;
-            frag[f].w += partial.w;
-          }
-          if (!last) __stcg(&c_tmp[f * active_threads + threadIdx.x], frag[f]);
+        for (int f = 0; f < frag_float4s; f++) {
+          float4 partial = staged[f * active_threads + threadIdx.x];
+          frag[f].x += partial.x;
+          frag[f].y += partial.y;
+          frag[f].z += partial.z;
+          frag[f].w += partial.w;
         }
+      }
+      if (!last) {
+#pragma unroll
+        for (int f = 0; f < frag_float4s; f++)
+          st_cg_pred(&c_tmp[f * active_threads + threadIdx.x], frag[f],
+                     16 * (f / 8) + lane_row < prob_m);
       }
 #else
       // One 16-row block (8 float4s per thread) at a time: its 8 loads are
