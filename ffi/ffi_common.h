@@ -6,7 +6,7 @@
 //   scales    f16|bf16 [g, n]       g = k / group_size, or 1 for group_size -1
 //   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
 //   -> y      f16|bf16 [..., n]
-//   -> workspace       s32 [>= workspace_size(n)]        lock counters (CUDA)
+//   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA)
 //   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n)] fp32 partial sums
 //                      handed between thread blocks (CUDA)
 //   attrs: group_size (i64), poison_output (bool: fill y with NaN first, so
@@ -86,9 +86,9 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   bool y_ok = yd.size() == xd.size() && yd.back() == n;
   for (size_t i = 0; y_ok && i + 1 < xd.size(); ++i) y_ok = yd[i] == xd[i];
   if (!y_ok) return invalid("y must have x's leading dimensions and n = " + s(n) + " columns");
-  if (static_cast<int64_t>(workspace.element_count()) < marlin::workspace_size(n))
+  if (static_cast<int64_t>(workspace.element_count()) < marlin::workspace_size(m, n))
     return invalid("workspace holds " + s(workspace.element_count()) + " int32, needs " +
-                   s(marlin::workspace_size(n)));
+                   s(marlin::workspace_size(m, n)));
   if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n))
     return invalid("reduce_scratch holds " + s(reduce_scratch.element_count()) +
                    " float32, needs " + s(marlin::reduce_scratch_size(m, n)));

@@ -68,7 +68,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32
   // scratch needs no initial value: the first block of a tile writes it.
-  if (cudaError_t error = cudaMemsetAsync(workspace, 0, workspace_size(n) * sizeof(int), stream))
+  if (cudaError_t error = cudaMemsetAsync(workspace, 0, workspace_size(m, n) * sizeof(int), stream))
     return cuda_error("cudaMemsetAsync", error);
 
   const ThreadConfig &config = *choose_config(m, n, k);

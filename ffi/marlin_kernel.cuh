@@ -52,14 +52,17 @@
 #define JAX_MARLIN_B_EVICT_FIRST 0
 #endif
 
-// An experimental global reduction, off by default and NOT yet run on a GPU
-// (benchmarks/NOTES.md, "fp32 reduction cost"; gpu_session.sh's `variant`
-// stage builds and A/Bs it): all partial sums of the tile are loaded first,
-// staged in the idle shared memory, so that they are in flight together, and
-// only the float4s of accumulator rows below m are moved (the default moves
-// whole 16-row blocks: 8x the bytes at m = 1).
-#ifndef JAX_MARLIN_REDUCE_STAGED
-#define JAX_MARLIN_REDUCE_STAGED 0
+// L2 prefetch size of the global->shared copies. ptxas 13.0 adds Marlin's
+// 128-byte L2 prefetch (SASS LDGSTS...LTC128B) to every copy of the seed
+// kernel but to none of this one's, for the same PTX copies; asking for it in
+// the PTX keeps it. -DJAX_MARLIN_L2_PREFETCH=0 leaves the choice to ptxas.
+#ifndef JAX_MARLIN_L2_PREFETCH
+#define JAX_MARLIN_L2_PREFETCH 1
+#endif
+#if JAX_MARLIN_L2_PREFETCH
+#define MARLIN_L2_PREFETCH ".L2::128B"
+#else
+#define MARLIN_L2_PREFETCH ""
 #endif
 
 namespace marlin {
@@ -98,11 +101,7 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  // The fp32 partial sums of one output tile (JAX_MARLIN_REDUCE_STAGED only).
-  static constexpr int global_reduce =
-      JAX_MARLIN_REDUCE_STAGED ? 16 * thread_m_blocks * 16 * thread_n_blocks / 4 : 0;
-  static constexpr int shared_bytes =
-      16 * cmax(cmax(pipeline, global_reduce), cmax(reduce, write));
+  static constexpr int shared_bytes = 16 * cmax(pipeline, cmax(reduce, write));
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
@@ -179,7 +178,7 @@ __device__ inline void cp_async4_pred(void *smem_ptr, const void *glob_ptr,
   asm volatile("{\n"
                "   .reg .pred p;\n"
                "   setp.ne.b32 p, %0, 0;\n"
-               "   @p cp.async.cg.shared.global [%1], [%2], %3;\n"
+               "   @p cp.async.cg.shared.global" MARLIN_L2_PREFETCH " [%1], [%2], %3;\n"
                "}\n" ::"r"((int)pred),
                "r"(smem), "l"(glob_ptr), "n"(BYTES));
 }
@@ -204,7 +203,7 @@ __device__ inline void cp_async4_evict_first(void *smem_ptr,
                                              uint64_t policy) {
   const int BYTES = 16;
   uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], %2, %3;\n"
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint" MARLIN_L2_PREFETCH " [%0], [%1], %2, %3;\n"
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES), "l"(policy));
 }
 #else
@@ -215,7 +214,7 @@ __device__ inline void cp_async4_evict_first(void *smem_ptr,
                                              uint64_t) {
   const int BYTES = 16;
   uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], %2;\n"
+  asm volatile("cp.async.cg.shared.global" MARLIN_L2_PREFETCH " [%0], [%1], %2;\n"
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES));
 }
 #endif
@@ -224,34 +223,8 @@ __device__ inline void cp_async4_evict_first(void *smem_ptr,
 __device__ inline void cp_async4(void *smem_ptr, const void *glob_ptr) {
   const int BYTES = 16;
   uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], %2;\n"
+  asm volatile("cp.async.cg.shared.global" MARLIN_L2_PREFETCH " [%0], [%1], %2;\n"
                ::"r"(smem), "l"(glob_ptr), "n"(BYTES));
-}
-
-// Predicated 16-byte L2 load and store of fp32 partial sums (the global
-// reduction). Predicates instead of branches keep all of a tile's loads in one
-// basic block, so that ptxas can have them in flight together; a load whose
-// predicate is false returns zeros.
-__device__ inline float4 ld_cg_pred(const float4 *glob_ptr, bool pred) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  asm volatile("{\n"
-               "   .reg .pred p;\n"
-               "   setp.ne.b32 p, %5, 0;\n"
-               "   @p ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               "}\n"
-               : "+f"(v.x), "+f"(v.y), "+f"(v.z), "+f"(v.w)
-               : "l"(glob_ptr), "r"((int)pred));
-  return v;
-}
-
-__device__ inline void st_cg_pred(float4 *glob_ptr, const float4 &v, bool pred) {
-  asm volatile("{\n"
-               "   .reg .pred p;\n"
-               "   setp.ne.b32 p, %0, 0;\n"
-               "   @p st.global.cg.v4.f32 [%1], {%2, %3, %4, %5};\n"
-               "}\n" ::"r"((int)pred),
-               "l"(glob_ptr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
 }
 
 // Async copy fence.
@@ -474,7 +447,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     A += (slice_col_par / n_tiles) * 16 * thread_m_blocks * prob_k / 8;
     C += (slice_col_par / n_tiles) * 16 * thread_m_blocks * prob_n / 8;
     C_tmp += (slice_col_par / n_tiles) * n_tiles * c_tile;
-    locks += (slice_col_par / n_tiles) * n_tiles;
+    locks += (slice_col_par / n_tiles) * n_tiles * thread_m_blocks;
     slice_col = slice_col_par % n_tiles;
   }
 
@@ -510,7 +483,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       A += 16 * thread_m_blocks * prob_k / 8;
       C += 16 * thread_m_blocks * prob_n / 8;
       C_tmp += n_tiles * c_tile;
-      locks += n_tiles;
+      locks += n_tiles * thread_m_blocks;
       slice_col = 0;
     }
   };
@@ -819,73 +792,47 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // fp32, in a scratch tile per (batch block, column slice) laid out in the
   // threads' own fragment order: thread t's float4 number f sits at
   // f * active_threads + t, so every access is one coalesced 16-byte load or
-  // store and no reordering is needed. Float4s of 16-row blocks that lie
-  // wholly past prob_m are skipped.
-  auto global_reduce = [&](bool first = false, bool last = false) {
+  // store and no reordering is needed.
+  // fp32 doubles the bytes each block moves, and the blocks of a slice take
+  // turns, so the handoff is per 16-row block, each with its own lock: the
+  // next block starts on rows 0..15 while this one is still on the rest, and
+  // a chain of c blocks costs c + thread_m_blocks - 1 steps of one row block
+  // instead of c steps of all of them. Row blocks wholly past prob_m are
+  // skipped (by every thread: the locks synchronize the whole block).
+  auto global_reduce = [&](bool first, bool last) {
     constexpr int active_threads = 32 * thread_n_blocks / 4;
-    // After thread_block_reduce the first active_threads threads hold the
-    // tile's sums.
-    if (threadIdx.x < active_threads) {
-      float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
-      float4 *frag = reinterpret_cast<float4 *>(&frag_c);
-#if JAX_MARLIN_REDUCE_STAGED
-      // Float4 f of a thread holds accumulator rows 16 (f / 8) + lane / 4 and
-      // 8 more (the mma C fragment); it is moved only if the first is below m
-      // (at m = 1 that is 1/8 of the tile). All loads are issued before any
-      // is used: they land in this thread's own slots of the idle shared
-      // memory, which no other thread touches before barrier_release.
-      const int lane_row = (threadIdx.x % 32) / 4;
-      constexpr int frag_float4s = 8 * thread_m_blocks;
-      float4 *staged = reinterpret_cast<float4 *>(sh);
-      if (!first) {
+    float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
+    float4 *frag = reinterpret_cast<float4 *>(&frag_c);
 #pragma unroll
-        for (int f = 0; f < frag_float4s; f++)
-          staged[f * active_threads + threadIdx.x] = ld_cg_pred(
-              &c_tmp[f * active_threads + threadIdx.x], 16 * (f / 8) + lane_row < prob_m);
+    for (int i = 0; i < thread_m_blocks; i++) {
+      if (16 * i >= prob_m) break;
+      int *lock = &locks[thread_m_blocks * slice_col + i];
+      barrier_acquire(lock, slice_idx);
+      // After thread_block_reduce the first active_threads threads hold the
+      // tile's sums. The row block's 8 float4s per thread are loaded
+      // together (plain L2 loads, in program order after the acquire; a
+      // version that staged them through shared memory with cp.async read
+      // stale sums now and then on the H200), then added and stored.
+      if (threadIdx.x < active_threads) {
+        float4 *slot = &c_tmp[8 * i * active_threads + threadIdx.x];
+        if (!first) {
+          float4 partial[8];
 #pragma unroll
-        for (int f = 0; f < frag_float4s; f++) {
-          float4 partial = staged[f * active_threads + threadIdx.x];
-          frag[f].x += partial.x;
-          frag[f].y += partial.y;
-          frag[f].z += partial.z;
-          frag[f].w += partial.w;
-        }
-      }
-      if (!last) {
+          for (int j = 0; j < 8; j++) partial[j] = __ldcg(&slot[j * active_threads]);
 #pragma unroll
-        for (int f = 0; f < frag_float4s; f++)
-          st_cg_pred(&c_tmp[f * active_threads + threadIdx.x], frag[f],
-                     16 * (f / 8) + lane_row < prob_m);
-      }
-#else
-      // One 16-row block (8 float4s per thread) at a time: its 8 loads are
-      // issued together and waited for once, then added and stored. (Plain
-      // L2 loads, in program order after the acquire in barrier_acquire; a
-      // version that staged the partial sums through shared memory with
-      // cp.async was faster but read stale sums now and then on the H200.)
-#pragma unroll
-      for (int i = 0; i < thread_m_blocks; i++) {
-        if (16 * i < prob_m) {
-          float4 *slot = &c_tmp[8 * i * active_threads + threadIdx.x];
-          if (!first) {
-            float4 partial[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) partial[j] = __ldcg(&slot[j * active_threads]);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-              frag[8 * i + j].x += partial[j].x;
-              frag[8 * i + j].y += partial[j].y;
-              frag[8 * i + j].z += partial[j].z;
-              frag[8 * i + j].w += partial[j].w;
-            }
-          }
-          if (!last) {
-#pragma unroll
-            for (int j = 0; j < 8; j++) __stcg(&slot[j * active_threads], frag[8 * i + j]);
+          for (int j = 0; j < 8; j++) {
+            frag[8 * i + j].x += partial[j].x;
+            frag[8 * i + j].y += partial[j].y;
+            frag[8 * i + j].z += partial[j].z;
+            frag[8 * i + j].w += partial[j].w;
           }
         }
+        if (!last) {
+#pragma unroll
+          for (int j = 0; j < 8; j++) __stcg(&slot[j * active_threads], frag[8 * i + j]);
+        }
       }
-#endif
+      barrier_release(lock, last);
     }
   };
 
@@ -1029,12 +976,9 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
           reinterpret_cast<int4 *>(&frag_s)[1] = sh_s[s_sh_rd + 4];
         }
       }
-      if (slice_count > 1) { // only globally reduce if there is more than one
-                             // block in a slice
-        barrier_acquire(&locks[slice_col], slice_idx);
+      if (slice_count > 1) // only globally reduce if there is more than one
+                           // block in a slice
         global_reduce(slice_idx == 0, last);
-        barrier_release(&locks[slice_col], last);
-      }
       if (last) // only the last block in a slice actually writes the result
         write_result();
       slice_row = 0;

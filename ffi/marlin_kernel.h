@@ -17,7 +17,7 @@
 
 namespace marlin {
 
-// Launches the GEMM on `stream`. `workspace` holds workspace_size(n) int32s;
+// Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s;
 // it is zeroed on the stream before the first launch. `reduce_scratch` holds
 // reduce_scratch_size(m, n) floats (no initial value needed): thread blocks
 // that share an output tile sum their partial results there in fp32. Returns

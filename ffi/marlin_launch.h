@@ -30,7 +30,7 @@ struct LaunchArgs {
   const int4 *s;     // scales
   const int4 *bias;  // [n] or null
   int m, n, k;
-  int *locks;        // workspace_size(n), zero at launch
+  int *locks;        // workspace_size(m, n), zero at launch
   int blocks;        // grid size: one block per SM
   int max_shared;    // opt-in shared memory per block on this device, bytes
   int device;

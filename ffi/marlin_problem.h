@@ -13,9 +13,13 @@ constexpr int kMinThreadN = 64;  // narrowest n tile
 constexpr int kMinThreadK = 64;  // shallowest k tile
 constexpr int kMaxPar = 16;      // batch blocks of 64 rows run in one launch
 
-// int32 lock counters the kernel needs for an output of width n: one per
-// (64-column slice, parallel batch block).
-inline int64_t workspace_size(int64_t n) { return n / kMinThreadN * kMaxPar; }
+// int32 lock counters the kernel needs for an [m, n] output: one per (16-row
+// block, 64-column slice) of its largest launch (at most kMaxPar blocks of 64
+// rows), as the global reduction hands over each 16-row block separately.
+inline int64_t workspace_size(int64_t m, int64_t n) {
+  const int64_t row_blocks = (m + kTile - 1) / kTile;
+  return n / kMinThreadN * (row_blocks < 4 * kMaxPar ? row_blocks : 4 * kMaxPar);
+}
 
 // fp32 partial sums that thread blocks sharing an output tile hand to each
 // other (the global reduction), for m rows of x: one float per element of the

@@ -138,7 +138,7 @@ def _lowering(ctx, x, qweight, scales, bias, *, k, n, group_size, poison_output)
     # CUDA graph. They stay out of the primitive's abstract value, so batching
     # and partitioning rules deal with y alone.
     m = int(np.prod(ctx.avals_in[0].shape[:-1], dtype=np.int64))
-    workspace = jax.core.ShapedArray((shapes.workspace_size(n),), jnp.int32)
+    workspace = jax.core.ShapedArray((shapes.workspace_size(m, n),), jnp.int32)
     scratch = jax.core.ShapedArray((shapes.reduce_scratch_size(m, n),), jnp.float32)
     rule = jax.ffi.ffi_lowering(_ffi.MATMUL_TARGET)
     y, _, _ = rule(ctx.replace(avals_out=[*ctx.avals_out, workspace, scratch]), x, qweight,

@@ -40,9 +40,13 @@ def num_groups(k: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-k // group_size)
 
 
-def workspace_size(n: int) -> int:
-    """int32 lock counters the CUDA kernel needs for ``n`` output columns."""
-    return n // _MIN_THREAD_N * _MAX_PAR
+def workspace_size(m: int, n: int) -> int:
+    """int32 lock counters the CUDA kernel needs for an ``[m, n]`` output.
+
+    One per 16-row block and 64 columns of its largest launch, at most 16
+    blocks of 64 rows (ffi/marlin_problem.h).
+    """
+    return n // _MIN_THREAD_N * min(-(-m // TILE), 4 * _MAX_PAR)
 
 
 def reduce_scratch_size(m: int, n: int) -> int:

@@ -274,8 +274,9 @@ def test_handler_rechecks_buffers(rng, weights):
     w = weights[(1024, 512, 128)]
     x = random_x(rng, 4, 1024)
     no_bias = jnp.zeros((0,), jnp.float16)
-    ws_size, rs_size = jm.shapes.workspace_size(512), jm.shapes.reduce_scratch_size(4, 512)
+    ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512)
     assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
+    assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
 
     def call(*args, y_dtype=jnp.float16, workspace=ws_size, scratch=rs_size, group_size=128):
         results = (jax.ShapeDtypeStruct((4, 512), y_dtype),
@@ -292,7 +293,7 @@ def test_handler_rechecks_buffers(rng, weights):
         (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
         (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
         (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=8), "workspace holds"),
+        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=ws_size - 1), "workspace holds"),
         (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
          "reduce_scratch holds"),
         (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size must be"),
