@@ -16,8 +16,8 @@
 #   bench      bench_matmul.py $BENCH_ARGS
 #   full       every layer, m and variant (more than one device call's 600 s: split it
 #              with bench and --layers)
-#   variant    a second build with $VARIANT_FLAGS (default -DJAX_MARLIN_REDUCE_STAGED=1, the
-#              staged global reduction; -DJAX_MARLIN_B_EVICT_FIRST=1 for the L2 hint),
+#   variant    a second build with $VARIANT_FLAGS (default -DJAX_MARLIN_L2_PREFETCH=0, the
+#              copies without the explicit L2 prefetch; -DJAX_MARLIN_B_EVICT_FIRST=1 for the L2 hint),
 #              compiled during `build`: the GPU tests ($VARIANT_TESTS, a -k filter) against it,
 #              then fp16 g128 installed vs variant on $VARIANT_LAYERS at m in $VARIANT_MS
 #              (bench_matmul.py $VARIANT_BENCH_ARGS, default --inner 4). With $SEED_SRC (a
@@ -50,7 +50,7 @@ if has build; then
     || { tail -50 "$OUT/build.log"; exit 1; }
   grep -E "jax_marlin:|registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
   if has variant; then  # the variant builds in the background meanwhile
-    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90;CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:--DJAX_MARLIN_REDUCE_STAGED=1}" \
+    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90;CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:--DJAX_MARLIN_L2_PREFETCH=0}" \
       python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/variant -C build-dir=/tmp/build-variant . \
       > "$OUT/build-variant.log" 2>&1 &
     VARIANT_BUILD=$!
@@ -128,7 +128,7 @@ if has full; then
 fi
 
 if has variant; then
-  step "variant ${VARIANT_FLAGS:--DJAX_MARLIN_REDUCE_STAGED=1}: GPU tests, then A/B against the installed build"
+  step "variant ${VARIANT_FLAGS:--DJAX_MARLIN_L2_PREFETCH=0}: GPU tests, then A/B against the installed build"
   wait "$VARIANT_BUILD" 2>/dev/null; tail -3 "$OUT/build-variant.log"
   (cd /tmp && PYTHONPATH=/tmp/variant python3 -m pytest -q -s "$OLDPWD/tests/test_gpu.py" \
     -k "${VARIANT_TESTS:-float64 or reduction or bit_identical or bias}" -p no:cacheprovider 2>&1) \
