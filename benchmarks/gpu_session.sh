@@ -4,12 +4,12 @@
 #
 #   benchmarks/gpu_session.sh [stage ...]   stages, run in this order: build tests graphs
 #                                           quick formats reduction bench flax full variant
-#                                           sanitize (default: build tests quick)
+#                                           profile sanitize (default: build tests quick)
 #
 #   tests      the pytest suite ($TESTS: which files, default tests/); about 450 GPU cases
 #   quick      bench_matmul.py --quick, every variant
 #   formats    issue 6: bf16 and the fp16 group sizes against g128 and XLA's fp16/bf16
-#              dots, 3 layers x m in {1, 16, 64} -> formats.json
+#              dots, 3 layers x m in {1, 16, 64} -> formats.json ($FORMATS_ARGS: more options)
 #   reduction  issue 6: fp16 g128 over every layer and m (-> reduction.json; $REDUCTION_ARGS
 #              narrows it, e.g. "--layers 70b.qkv 70b.down"), then its time against
 #              results/h200-2026-12-02.json (the fp16 reduction) per (layer, m)
@@ -26,6 +26,9 @@
 #              $AB_BUILDS picks the builds (default: seed if built, installed, variant), the
 #              first is the baseline of the comparisons. The SASS of the m = 1 and m = 64
 #              fp16 g128 kernels of each build goes to sass.txt.
+#   profile    Nsight Compute on the fp16 g128 kernel of each $PROFILE_CASES (layer:m, default
+#              "70b.qkv:64 70b.qkv:1"), the installed build and, with $SEED_SRC, the seed
+#              (its build starts in `build`), into ncu.txt: the second call's launch
 #   sanitize   compute-sanitizer ($SANITIZE_TOOL, default memcheck; initcheck also finds
 #              reads of the kernel's fp32 scratch before any block wrote them) over
 #              benchmarks/sanitize_cases.py, limited to $SANITIZE_TIMEOUT seconds (240)
@@ -49,17 +52,18 @@ if has build; then
     python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
   grep -E "jax_marlin:|registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
-  if has variant; then  # the variant builds in the background meanwhile
+  # The variant and the seed build in the background meanwhile.
+  if has variant; then
     JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90;CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:--DJAX_MARLIN_L2_PREFETCH=0}" \
       python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/variant -C build-dir=/tmp/build-variant . \
       > "$OUT/build-variant.log" 2>&1 &
     VARIANT_BUILD=$!
-    if [ -n "${SEED_SRC:-}" ]; then
-      JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
-        python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/seed -C build-dir=/tmp/build-seed "$SEED_SRC" \
-        > "$OUT/build-seed.log" 2>&1 &
-      SEED_BUILD=$!
-    fi
+  fi
+  if [ -n "${SEED_SRC:-}" ] && { has variant || has profile; }; then
+    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+      python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/seed -C build-dir=/tmp/build-seed "$SEED_SRC" \
+      > "$OUT/build-seed.log" 2>&1 &
+    SEED_BUILD=$!
   fi
   (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
 fi
@@ -94,7 +98,7 @@ fi
 
 if has formats; then
   step "issue 6 formats: bf16 g128 and fp16 g-1/g64/g32 against g128 and XLA's dots"
-  python3 benchmarks/bench_matmul.py --quick --impls formats --out "$OUT/formats.json" \
+  python3 benchmarks/bench_matmul.py --quick --impls formats ${FORMATS_ARGS:-} --out "$OUT/formats.json" \
     >> "$OUT/issue6.log" 2>&1
   echo "exit $?, $(grep -c ' us ' "$OUT/issue6.log") rows logged"
   grep -E "jax_marlin_(bf16_g128|g32) " "$OUT/issue6.log" | tail -6
@@ -162,6 +166,24 @@ if has variant; then
     echo "--- $build against $base"
     python3 benchmarks/report.py --compare "$OUT/ab-$base.json" "$OUT/ab-$build.json" \
       --impl jax_marlin_g128 | tee "$OUT/ab-$build-vs-$base.md" | tail -${AB_TAIL:-8}
+  done
+fi
+
+if has profile; then
+  step "Nsight Compute: ${PROFILE_CASES:=70b.qkv:64 70b.qkv:1}"
+  builds=installed
+  if [ -n "${SEED_SRC:-}" ]; then wait "$SEED_BUILD" 2>/dev/null; builds="seed installed"; fi
+  for case in $PROFILE_CASES; do
+    for build in $builds; do
+      pp=""; [ $build != installed ] && pp=/tmp/$build
+      echo "##### $build $case" >> "$OUT/ncu.txt"
+      # The second of the two Marlin launches (the first belongs to the compile's warm-up call).
+      PYTHONPATH=$pp ncu --clock-control none -k regex:Marlin --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        python3 benchmarks/profile_case.py ${case%%:*} ${case##*:} >> "$OUT/ncu.txt" 2>&1
+      grep -E "^##### |Duration|Registers Per|Warp Cycles Per Issued|DRAM Throughput" "$OUT/ncu.txt" | tail -4
+    done
   done
 fi
 

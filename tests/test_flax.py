@@ -396,6 +396,18 @@ def test_grad_reaches_float_params_only(rng):
     assert np.abs(np.asarray(grads["head"]["kernel"][...])).max() > 0
 
 
+def _restore_target(abstract):
+    """``abstract`` with the CPU device these tests run on as every leaf's sharding.
+
+    Without a sharding orbax restores onto the device recorded at save time
+    (cpu:0), which it looks up among jax.local_devices(): the GPUs on a GPU
+    machine.
+    """
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        abstract)
+
+
 def test_orbax_roundtrip_nnx(tmp_path, rng):
     model = _quantized_model(0)
     x = random_x(rng, 4, K).astype(np.float32)
@@ -405,7 +417,8 @@ def test_orbax_roundtrip_nnx(tmp_path, rng):
 
     abstract = nnx.eval_shape(lambda: _quantized_model(7))
     graphdef, abstract_state = nnx.split(abstract)
-    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "model", abstract_state))
+    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "model",
+                                                                 _restore_target(abstract_state)))
     assert isinstance(restored.blocks[0].up.weight.get_value(), jm.MarlinWeight)
     _assert_same_outputs(restored(x), model(x))
 
@@ -508,7 +521,7 @@ def test_orbax_roundtrip_linen(tmp_path, rng):
     checkpointer.save(tmp_path / "linen", variables)
     checkpointer.wait_until_finished()
 
-    target = jax.eval_shape(model.init, jax.random.key(1), x)
+    target = _restore_target(jax.eval_shape(model.init, jax.random.key(1), x))
     restored = checkpointer.restore(tmp_path / "linen", target)
     assert isinstance(restored["marlin"]["up"]["weight"], jm.MarlinWeight)
     np.testing.assert_array_equal(np.asarray(model.apply(restored, x)),
