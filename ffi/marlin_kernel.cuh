@@ -446,8 +446,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   if (slice_col_par >= n_tiles) {
     A += (slice_col_par / n_tiles) * 16 * thread_m_blocks * prob_k / 8;
     C += (slice_col_par / n_tiles) * 16 * thread_m_blocks * prob_n / 8;
-    C_tmp += (slice_col_par / n_tiles) * n_tiles * c_tile;
-    locks += (slice_col_par / n_tiles) * n_tiles * thread_m_blocks;
     slice_col = slice_col_par % n_tiles;
   }
 
@@ -482,8 +480,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     if (slice_col == n_tiles) {
       A += 16 * thread_m_blocks * prob_k / 8;
       C += 16 * thread_m_blocks * prob_n / 8;
-      C_tmp += n_tiles * c_tile;
-      locks += n_tiles * thread_m_blocks;
       slice_col = 0;
     }
   };
@@ -801,12 +797,16 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // skipped (by every thread: the locks synchronize the whole block).
   auto global_reduce = [&](bool first, bool last) {
     constexpr int active_threads = 32 * thread_n_blocks / 4;
-    float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col);
+    // The scratch tile and the locks of (batch block, column slice) number
+    // slice_col_par, found from it here rather than by pointers advanced with
+    // A and C: two fewer live 64-bit values in the main loop, whose 64-row
+    // tiles use all 255 registers.
+    float4 *c_tmp = reinterpret_cast<float4 *>(C_tmp + c_tile * slice_col_par);
     float4 *frag = reinterpret_cast<float4 *>(&frag_c);
 #pragma unroll
     for (int i = 0; i < thread_m_blocks; i++) {
       if (16 * i >= prob_m) break;
-      int *lock = &locks[thread_m_blocks * slice_col + i];
+      int *lock = &locks[thread_m_blocks * slice_col_par + i];
       barrier_acquire(lock, slice_idx);
       // After thread_block_reduce the first active_threads threads hold the
       // tile's sums. The row block's 8 float4s per thread are loaded
