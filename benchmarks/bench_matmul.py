@@ -22,7 +22,10 @@ time (after a block at the end) divided by ``CALLS * ROTATE``; that is the
 device time per matmul once the GPU is saturated. ``--inner N`` applies the
 weight sets to N distinct copies of ``x`` in the same call (N * ROTATE matmuls
 per dispatch), for layers whose matmul is shorter than the host's dispatch of
-a call. Median and spread (max - min)
+a call; jax_marlin rows only: XLA merges dots that share a weight into one dot
+(measured: 70b.qkv at m = 1 "took" 11.9 us, a quarter of one read of the fp16
+weight), so the XLA rows keep one copy. Rows record their ``inner``. Median and
+spread (max - min)
 over ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its
 relative error against ``x @ dequantize(w)`` in float32, unrounded (results up
 to 2026-12-02 compared with that product rounded to float16), so a fast wrong
@@ -154,8 +157,8 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
     return sets
 
 
-# Each takes a list of activations (``--inner`` distinct copies, so XLA cannot
-# merge the calls) and the ROTATE weight sets.
+# Each takes a list of activations (``--inner`` distinct copies for jax_marlin,
+# one for XLA) and the ROTATE weight sets.
 @jax.jit
 def _marlin(xs, ws):
     return [jm.matmul(x, w) for x in xs for w in ws]
@@ -198,11 +201,12 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
         for v in variants:
             impl, dtype, group_size = VARIANTS[v]
             x, ws = xs[dtype], sets[v]
-            # Distinct buffers, so XLA cannot merge the calls.
-            xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(inner - 1)]
-            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=inner)
+            # Distinct buffers, so XLA cannot merge the custom calls.
+            copies = inner if impl == "jax_marlin" else 1
+            xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(copies - 1)]
+            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=copies)
             rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
-                       group_size=group_size, median_us=round(median, 2),
+                       group_size=group_size, inner=copies, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
             if impl == "jax_marlin":
                 moved = ws[0].nbytes + x.dtype.itemsize * (m * k + m * n)
@@ -222,7 +226,8 @@ def main(argv=None) -> int:
                         help="variants to run, or aliases: " + "; ".join(
                             f"{a} = {' '.join(v)}" for a, v in ALIASES.items()))
     parser.add_argument("--inner", type=int, default=1,
-                        help="distinct copies of x per call (matmuls per dispatch: inner x 8)")
+                        help="jax_marlin rows: distinct copies of x per call (matmuls per dispatch: "
+                             "inner x 8); XLA rows always use 1")
     parser.add_argument("--out", help="results JSON, rewritten after every layer")
     args = parser.parse_args(argv)
 
