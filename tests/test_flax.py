@@ -417,8 +417,8 @@ def test_orbax_roundtrip_nnx(tmp_path, rng):
 
     abstract = nnx.eval_shape(lambda: _quantized_model(7))
     graphdef, abstract_state = nnx.split(abstract)
-    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "model",
-                                                                 _restore_target(abstract_state)))
+    restored_state = checkpointer.restore(tmp_path / "model", _restore_target(abstract_state))
+    restored = nnx.merge(graphdef, restored_state)
     assert isinstance(restored.blocks[0].up.weight.get_value(), jm.MarlinWeight)
     _assert_same_outputs(restored(x), model(x))
 
