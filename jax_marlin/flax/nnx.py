@@ -322,16 +322,10 @@ def _rewrite(node: Any, path: Path, visit: Callable[[Path, nnx.Linear], Any],
     if isinstance(node, nnx.Variable):
         return node
     # nnx.List and nnx.Dict are Modules too; index them, not their attributes.
-    if isinstance(node, MutableSequence):
+    if isinstance(node, (MutableSequence, MutableMapping)):
         done[id(node)] = node
-        for i, child in enumerate(list(node)):
-            new = _rewrite(child, (*path, i), visit, done)
-            if new is not child:
-                node[i] = new
-        return node
-    if isinstance(node, MutableMapping):
-        done[id(node)] = node
-        for key, child in list(node.items()):
+        items = enumerate(list(node)) if isinstance(node, MutableSequence) else list(node.items())
+        for key, child in items:
             new = _rewrite(child, (*path, key), visit, done)
             if new is not child:
                 node[key] = new
