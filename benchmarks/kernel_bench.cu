@@ -1,7 +1,7 @@
 // Kernel-only timing of the Marlin launcher, without JAX: for A/B comparisons
 // of kernel builds (compile flags, source variants, the seed) in one device
-// lease, where a pip build per variant would cost minutes. The numbers that
-// users see come from bench_matmul.py; this tool only ranks builds.
+// lease, where a pip build per variant would cost minutes. bench_matmul.py
+// times what users call, through JAX; this tool times the launcher alone.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/kernel_bench.cu ffi/marlin_kernel.cu \
 //        <the instance objects> -o kernel_bench
@@ -13,9 +13,9 @@
 //
 // Method: each call is the launcher's full work (the lock memset and the
 // kernel launches) on one stream, timed with CUDA events over `reps` calls
-// that rotate through enough copies of the weights (random bits: every int4
-// pattern is a valid weight) to exceed three times the 50 MB L2, so weights
-// come from HBM. Median and minimum over `trials` timings.
+// that rotate through copies of the weights (random bits: every int4 pattern
+// is a valid weight) of more than 150 MB together, 2.5 times the H200's L2, so
+// weights come from HBM. Median and minimum over `trials` timings.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
