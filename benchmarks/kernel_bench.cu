@@ -7,9 +7,7 @@
 //        <the instance objects> -o kernel_bench
 //   ./kernel_bench 64:8192:10240 1:8192:10240 ...     (m:k:n, fp16, group size 128)
 //
-// Built with -DSEED_API against the seed's launcher (ffi/ of commit 2fc3eba),
-// whose matmul has no bias, dtype or fp32 scratch; with -DSCRATCH_M_API
-// against the per-block-slot experiment, whose scratch size takes m alone.
+// Built with -DSEED_API against the seed's launcher (ffi/ of commit 2fc3eba).
 //
 // Method: each call is the launcher's full work (the lock memset and the
 // kernel launches) on one stream, timed with CUDA events over `reps` calls
@@ -54,36 +52,23 @@ __global__ void fill_half(half *p, size_t n, uint32_t seed, float lo, float hi) 
     p[i] = __float2half(lo + (hi - lo) * (mix(i, seed) & 0xFFFFFF) / float(1 << 24));
 }
 
+// The launcher's API: the seed's has no bias, dtype or fp32 scratch, and
+// sizes its locks by n alone.
+#ifdef SEED_API
+std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
+                int *workspace, float *, cudaStream_t stream) {
+  return marlin::matmul(A, B, s, C, m, n, k, 128, workspace, stream);
+}
+int64_t locks_needed(int64_t, int64_t n) { return marlin::workspace_size(n); }
+int64_t scratch_needed(int64_t, int64_t) { return 1; }
+#else
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
-#ifdef SEED_API
-  (void)scratch;
-  return marlin::matmul(A, B, s, C, m, n, k, 128, workspace, stream);
-#else
   return marlin::matmul(A, B, s, nullptr, C, m, n, k, 128, false, workspace, scratch, stream);
-#endif
 }
-
-int64_t locks_needed(int64_t m, int64_t n) {
-#ifdef SEED_API
-  (void)m;
-  return marlin::workspace_size(n);
-#else
-  return marlin::workspace_size(m, n);
+int64_t locks_needed(int64_t m, int64_t n) { return marlin::workspace_size(m, n); }
+int64_t scratch_needed(int64_t m, int64_t n) { return marlin::reduce_scratch_size(m, n); }
 #endif
-}
-
-int64_t scratch_needed(int64_t m, int64_t n) {
-#ifdef SEED_API
-  (void)m, (void)n;
-  return 1;
-#elif defined(SCRATCH_M_API)  // the per-block-slot experiment (benchmarks/NOTES.md)
-  (void)n;
-  return marlin::reduce_scratch_size(m);
-#else
-  return marlin::reduce_scratch_size(m, n);
-#endif
-}
 
 }  // namespace
 
