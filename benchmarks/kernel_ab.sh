@@ -7,6 +7,9 @@
 #   CASES="64:8192:10240 1:8192:10240" benchmarks/kernel_ab.sh \
 #       seed=.seed-src:-DSEED_API now=. noprefetch=.:-DJAX_MARLIN_L2_PREFETCH=0
 #
+# G128_ONLY=1 builds the fp16 group-size-128 kernels alone (the rest are
+# kernel_bench_stubs.cu): one instance file a variant instead of eight. Extra
+# kernel_bench arguments (--check, --trace) go in BENCH_ARGS.
 # The first variant is the baseline of the ratios. A tree whose ffi/ has no
 # marlin_instance.cu is the seed (one translation unit; build it with -DSEED_API).
 # Logs and the table go to $OUT (or ./kernel-ab).
@@ -17,6 +20,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 arch=${ARCH:-sm_90}
 cases=${CASES:-1:8192:10240 64:8192:10240 128:8192:10240}
 rounds=${ROUNDS:-2}
+g128_only=${G128_ONLY:-0}
+bench_args=${BENCH_ARGS:-}
 build=/tmp/kernel-ab
 mkdir -p $build
 jobs=${JOBS:-$(nproc)}
@@ -31,7 +36,11 @@ for spec in "$@"; do
   d=$build/$name; mkdir -p $d
   (
     objs=()
-    if [ -f "$src/ffi/marlin_instance.cu" ]; then
+    if [ -f "$src/ffi/marlin_instance.cu" ] && [ "$g128_only" = 1 ]; then
+      objs+=($d/inst_half_8.o $d/stubs.o)
+      nvcc_ $flags -DMARLIN_SCALAR=half -DMARLIN_GROUP_BLOCKS=8 -c "$src/ffi/marlin_instance.cu" -o $d/inst_half_8.o &
+      nvcc_ $flags -I"$src/ffi" -c "$here/kernel_bench_stubs.cu" -o $d/stubs.o &
+    elif [ -f "$src/ffi/marlin_instance.cu" ]; then
       for scalar in half nv_bfloat16; do
         for g in -1 2 4 8; do
           o=$d/inst_${scalar}_${g}.o; objs+=($o)
@@ -54,7 +63,7 @@ done
 
 for r in $(seq $rounds); do
   for name in "${names[@]}"; do
-    $build/$name/kernel_bench $cases | sed "s/^/$name $r /" >> "$OUT/kernel-ab.txt" || exit 1
+    $build/$name/kernel_bench $bench_args $cases | sed "s/^/$name $r /" >> "$OUT/kernel-ab.txt" || exit 1
   done
 done
 
@@ -65,7 +74,7 @@ import collections, statistics, sys
 rows = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) == 8 and f[2] != "m":
+    if len(f) == 8 and f[2].isdigit():
         rows[(f[0], f"{f[2]}x{f[3]}x{f[4]}")].append(float(f[5]))
 names = sys.argv[2:]
 cases = list(dict.fromkeys(c for _, c in rows))

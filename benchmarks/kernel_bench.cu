@@ -8,6 +8,10 @@
 //   ./kernel_bench 64:8192:10240 1:8192:10240 ...     (m:k:n, fp16, group size 128)
 //
 // Built with -DSEED_API against the seed's launcher (ffi/ of commit 2fc3eba).
+// --check (not with the seed) compares each case's output with one launch of
+// a thread block per output tile (no global reduction) and lists the 16 x 64
+// blocks that differ; --trace (a kernel built with -DMARLIN_TRACE) prints
+// per-role times of the reduction from the kernel's clock64 records.
 //
 // Method: each call is the launcher's full work (the lock memset and the
 // kernel launches) on one stream, timed with CUDA events over `reps` calls
@@ -18,12 +22,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "marlin_kernel.h"
+#ifndef SEED_API
+#include "marlin_launch.h"
+#endif
 
 namespace {
 
@@ -70,14 +79,105 @@ int64_t locks_needed(int64_t m, int64_t n) { return marlin::workspace_size(m, n)
 int64_t scratch_needed(int64_t m, int64_t n) { return marlin::reduce_scratch_size(m, n); }
 #endif
 
+
+#ifndef SEED_API
+// The same product with one thread block per output tile (grid = column
+// tiles x batch blocks): every block runs a whole column of k, so there is no
+// global reduction, and the result is the reference for the reduction of the
+// normal grid (fp16 g128, m <= 64 or a multiple of 64 up to 1024).
+std::string run_unsplit(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
+                        int *workspace, float *scratch, cudaStream_t stream) {
+  int device, max_shared;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const marlin::ThreadConfig &config = *marlin::choose_config(m, n, k);
+  int thread_m_blocks = m <= 64 ? (m + 15) / 16 : 4;
+  int par = m <= 64 ? 1 : m / 64;
+  marlin::LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
+                       static_cast<int4 *>(C), scratch, static_cast<const int4 *>(s), nullptr,
+                       m, n, k, workspace, n / config.thread_n * par, max_shared, device, stream};
+  check(cudaMemsetAsync(workspace, 0, marlin::workspace_size(m, n) * sizeof(int), stream), "memset");
+  return marlin::launch_tile<half, 8>(config, thread_m_blocks, p);
+}
+
+// ||a - b|| / ||b|| over m x n halves, and how many elements of a are not finite.
+// With n columns, the (16-row, 64-column) blocks holding elements off by more
+// than 1% of the rms of b are listed (where a reduction went wrong).
+double rel_error(const void *a, const void *b, size_t count, size_t *bad, int n = 0) {
+  std::vector<half> ha(count), hb(count);
+  check(cudaMemcpy(ha.data(), a, count * 2, cudaMemcpyDeviceToHost), "copy");
+  check(cudaMemcpy(hb.data(), b, count * 2, cudaMemcpyDeviceToHost), "copy");
+  double num = 0, den = 0;
+  *bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    double x = __half2float(ha[i]), y = __half2float(hb[i]);
+    if (!std::isfinite(x)) ++*bad;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  if (n > 0 && num > 1e-6 * den) {
+    const double limit = 1e-2 * std::sqrt(den / count);
+    std::map<std::pair<size_t, size_t>, int> blocks;
+    for (size_t i = 0; i < count; ++i) {
+      double x = __half2float(ha[i]), y = __half2float(hb[i]);
+      if (!(std::abs(x - y) <= limit)) blocks[{i / n / 16, i % n / 64}]++;
+    }
+    std::printf("  check: %zu (16 x 64) blocks off:", blocks.size());
+    int shown = 0;
+    for (auto &[where, c] : blocks)
+      if (shown++ < 12) std::printf(" r%zu/c%zu:%d", where.first, where.second, c);
+    std::printf("\n");
+  }
+  return std::sqrt(num / den);
+}
+
+// Per block role in a slice (from --trace): cycles from the end of the main
+// loop to the end of thread_block_reduce, waiting for the partial sums, the
+// reduction itself.
+void print_trace(const std::vector<long long> &t, int blocks, double ghz) {
+  const char *names[4] = {"alone", "first", "middle", "last"};
+  double wait[4] = {}, work[4] = {}, tbr[4] = {}, maxwait[4] = {};
+  int count[4] = {};
+  long long g0 = t[30], g1 = t[31], longest = 0;
+  double end_spread_lo = 1e30, end_spread_hi = 0;
+  for (int b = 0; b < blocks; ++b) {
+    const long long *r = &t[32 * b];
+    g0 = std::min(g0, r[30]);
+    g1 = std::max(g1, r[31]);
+    longest = std::max(longest, r[1] - r[0]);
+    for (int s = 0; s < r[2] && s < 5; ++s) {
+      const long long *e = &r[3 + 5 * s];
+      int c = int(e[4] / 1000), idx = int(e[4] % 1000);
+      int role = c == 1 ? 0 : idx == 0 ? 1 : idx == c - 1 ? 3 : 2;
+      count[role]++;
+      tbr[role] += e[1] - e[0];
+      wait[role] += e[2] - e[1];
+      maxwait[role] = std::max(maxwait[role], double(e[2] - e[1]));
+      work[role] += e[3] - e[2];
+    }
+    end_spread_lo = std::min(end_spread_lo, double(r[31] - g0));
+    end_spread_hi = std::max(end_spread_hi, double(r[31] - g0));
+  }
+  std::printf("  trace: kernel %.2f us (globaltimer), longest block %.2f us at %.2f GHz\n",
+              (g1 - g0) * 1e-3, longest / ghz * 1e-3, ghz);
+  for (int r = 0; r < 4; ++r)
+    if (count[r])
+      std::printf("  trace: %-6s slices %4d: block reduce %.2f us, wait %.2f us (max %.2f), reduction %.2f us\n",
+                  names[r], count[r], tbr[r] / count[r] / ghz * 1e-3, wait[r] / count[r] / ghz * 1e-3,
+                  maxwait[r] / ghz * 1e-3, work[r] / count[r] / ghz * 1e-3);
+}
+#endif
 }  // namespace
 
 int main(int argc, char **argv) {
   int reps = 200, trials = 7;
+  bool check_result = false, trace = false;
   std::vector<std::string> cases;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (a == "--check") check_result = true;
+    else if (a == "--trace") trace = true;
+    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (a == "--trials" && i + 1 < argc) trials = std::atoi(argv[++i]);
     else cases.push_back(a);
   }
@@ -105,7 +205,10 @@ int main(int argc, char **argv) {
     check(cudaMalloc(&A, size_t(m) * k * 2), "cudaMalloc A");
     check(cudaMalloc(&C, size_t(m) * n * 2), "cudaMalloc C");
     fill_half<<<1024, 256, 0, stream>>>(static_cast<half *>(A), size_t(m) * k, 5, -1.f, 1.f);
-    check(cudaMalloc(&workspace, locks_needed(m, n) * sizeof(int)), "cudaMalloc locks");
+    // --trace: the kernel's per-block records follow the first 2^20 ints.
+    const size_t trace_ints = 2 * 32 * 1024;
+    check(cudaMalloc(&workspace, (trace ? (1 << 20) + trace_ints : locks_needed(m, n)) * sizeof(int)),
+          "cudaMalloc locks");
     check(cudaMalloc(&scratch, sizeof(float) * scratch_needed(m, n)), "cudaMalloc scratch");
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");
@@ -133,6 +236,37 @@ int main(int argc, char **argv) {
     const float med = us[us.size() / 2];
     std::printf("%6d %6d %6d %10.2f %10.2f %8.3f\n", m, k, n, med, us[0],
                 (b_bytes + s_bytes) / (med * 1e-6) / 1e12);
+#ifndef SEED_API
+    if (check_result && (m <= 64 || (m % 64 == 0 && m <= 1024))) {
+      void *C_ref;
+      check(cudaMalloc(&C_ref, size_t(m) * n * 2), "cudaMalloc C_ref");
+      // Poison both outputs (0xFFFF is a NaN) so unwritten elements show.
+      check(cudaMemsetAsync(C, 0xFF, size_t(m) * n * 2, stream), "poison");
+      check(cudaMemsetAsync(C_ref, 0xFF, size_t(m) * n * 2, stream), "poison");
+      call(0);
+      std::string why = run_unsplit(A, Bs[0], ss[0], C_ref, m, n, k, workspace, scratch, stream);
+      if (!why.empty()) std::fprintf(stderr, "%s\n", why.c_str()), std::exit(1);
+      check(cudaStreamSynchronize(stream), "check");
+      size_t bad;
+      double err = rel_error(C, C_ref, size_t(m) * n, &bad, n);
+      std::printf("  check: |C - C_unsplit| / |C_unsplit| = %.2e, %zu non-finite%s\n", err, bad,
+                  err < 1e-3 && bad == 0 ? "" : "  FAILED");
+      cudaFree(C_ref);
+    }
+    if (trace) {
+      int device, sms, khz;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
+      long long *t = reinterpret_cast<long long *>(workspace + (1 << 20));
+      check(cudaMemsetAsync(t, 0, trace_ints * sizeof(int), stream), "trace memset");
+      call(1);
+      check(cudaStreamSynchronize(stream), "trace");
+      std::vector<long long> host(32 * sms);
+      check(cudaMemcpy(host.data(), t, host.size() * 8, cudaMemcpyDeviceToHost), "trace copy");
+      print_trace(host, sms, khz * 1e-6);
+    }
+#endif
     std::fflush(stdout);
     for (int i = 0; i < copies; ++i) {
       cudaFree(Bs[i]);
