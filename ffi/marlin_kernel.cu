@@ -73,9 +73,12 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
 
   const ThreadConfig &config = *choose_config(m, n, k);
   const int group_blocks = group_size == -1 ? -1 : int(group_size / kTile);
+  // One thread block per SM, at most kMaxBlocks: the slot reduction gives
+  // each block a slot of the scratch (reduce_scratch_size).
   LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                static_cast<int4 *>(C), reduce_scratch, static_cast<const int4 *>(s),
-               static_cast<const int4 *>(bias), 0, int(n), int(k), workspace, info.sms,
+               static_cast<const int4 *>(bias), 0, int(n), int(k), workspace,
+               info.sms < kMaxBlocks ? info.sms : kMaxBlocks,
                info.max_shared, device, stream};
 
   // Batches of more than 64 rows run as up to kMaxPar blocks of 64 rows in

@@ -101,7 +101,11 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  static constexpr int shared_bytes = 16 * cmax(pipeline, cmax(reduce, write));
+  // The slot reduction stages whole fp32 output tiles (16-byte units).
+  static constexpr int tile_f4 = 16 * thread_m_blocks * 16 * thread_n_blocks / 4;
+  static constexpr int slot_stage = cmax(1, cmax(pipeline, cmax(reduce, write)) / tile_f4);
+  static constexpr int shared_bytes =
+      16 * cmax(cmax(pipeline, slot_stage * tile_f4), cmax(reduce, write));
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
@@ -370,6 +374,44 @@ __device__ inline void barrier_release(int *lock, bool reset = false) {
   }
 }
 
+#ifdef MARLIN_TRACE
+__device__ inline long long globaltimer_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// 32 int64 per block after the first 2^20 ints of the locks (kernel_bench
+// --trace allocates them): [0] start clock, [1] end clock, [2] slices,
+// [30] start globaltimer, [31] end; slice s < 5 at 3 + 5 s: loop end, after
+// thread_block_reduce, reduction data ready, reduction done, 1000 c + idx.
+#define MARLIN_TRACE_DECL                                                          \
+  long long *trace_ = reinterpret_cast<long long *>(locks + (1 << 20)) + 32 * blockIdx.x; \
+  int trace_s_ = 0;                                                                \
+  long long trace_t_[4] = {0, 0, 0, 0};                                            \
+  if (threadIdx.x == 0) {                                                          \
+    trace_[0] = clock64();                                                         \
+    trace_[30] = globaltimer_ns();                                                 \
+  }
+#define MARLIN_TRACE_AT(i) (trace_t_[i] = clock64())
+#define MARLIN_TRACE_SLICE(c, idx)                                                 \
+  if (threadIdx.x == 0 && trace_s_ < 5) {                                          \
+    for (int q = 0; q < 4; q++) trace_[3 + 5 * trace_s_ + q] = trace_t_[q];        \
+    trace_[7 + 5 * trace_s_] = 1000 * (c) + (idx);                                 \
+    trace_s_++;                                                                    \
+  }
+#define MARLIN_TRACE_END()                                                         \
+  if (threadIdx.x == 0) {                                                          \
+    trace_[1] = clock64();                                                         \
+    trace_[2] = trace_s_;                                                          \
+    trace_[31] = globaltimer_ns();                                                 \
+  }
+#else
+#define MARLIN_TRACE_DECL
+#define MARLIN_TRACE_AT(i) ((void)0)
+#define MARLIN_TRACE_SLICE(c, idx) ((void)0)
+#define MARLIN_TRACE_END() ((void)0)
+#endif
+
 template <typename scalar_t,        // half or nv_bfloat16: A, C, s and bias
           const int threads,         // number of threads in a threadblock
           const int thread_m_blocks, // number of 16x16 blocks in the m
@@ -414,6 +456,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   static_assert(Shape::shared_bytes > 0, "");
   using Scalar = ScalarType<scalar_t>;
   using T2 = typename Scalar::T2;
+  MARLIN_TRACE_DECL
   // fp32 scratch of one output tile in the global reduction.
   constexpr int c_tile = 16 * thread_m_blocks * 16 * thread_n_blocks;
 
@@ -645,12 +688,21 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
                               b_policy);
         B_ptr[i] += b_gl_rd_delta_o;
       }
-      // Only fetch scales if this tile starts a new group
-      if (group_blocks != -1 && pipe % Shape::group_tiles == 0) {
+      // Every stage gets its own copy of its group's scales, fetched with
+      // the tile. The seed fetched them once per group, into the stage of the
+      // group's first tile, and read them there for all its tiles: with
+      // groups of two tiles (g128, 64-deep tiles), the fetch of the group
+      // after next (issued in the group's second tile) overwrote the scales
+      // that slower warps were still reading: their last k16 sub-tiles of the
+      // group got the wrong group's scales (one warp's 64 columns off by a
+      // few %; with the slot reduction's timing in 20 of 60 checked runs,
+      // compute-sanitizer --tool racecheck reports it either way).
+      if (group_blocks != -1) {
         int4 *sh_s_stage = sh_s + s_sh_stage * pipe;
         if (s_sh_wr_pred)
           cp_async4(&sh_s_stage[s_sh_wr], &s[s_gl_rd]);
-        s_gl_rd += s_gl_rd_delta;
+        if ((pipe + 1) % Shape::group_tiles == 0)  // the group's last tile
+          s_gl_rd += s_gl_rd_delta;
       }
     }
     // Insert a fence even when we are winding down the pipeline to ensure that
@@ -676,8 +728,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     // theoretically better attempts have lead to bad instruction ordering by
     // the compiler and correspondingly a noticeable drop in performance.
     if (group_blocks != -1) {
-      int4 *sh_s_stage =
-          sh_s + s_sh_stage * (Shape::group_tiles * (pipe / Shape::group_tiles));
+      int4 *sh_s_stage = sh_s + s_sh_stage * pipe;
       // This warp's 16 rows of k in the tile are k block
       // warp_k + k_warps * (k % b_sh_wr_iters) (see a_sh_rd and b_sh_rd);
       // with several groups per tile, pick that block's row of scales.
@@ -729,6 +780,12 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   auto thread_block_reduce = [&]() {
     constexpr int red_off = threads / b_sh_stride / 2;
     if (red_off >= 1) {
+      // The buffers below overlap the pipeline's A stages, which slower warps
+      // may still be reading: the main loop's last step prefetches the next
+      // stage's first sub-tile (unused at a slice's end, so the seed's
+      // missing barrier here did no harm, but it is a race all the same, and
+      // compute-sanitizer's racecheck reports it).
+      __syncthreads();
       int red_idx = threadIdx.x / b_sh_stride;
       constexpr int red_sh_stride = b_sh_stride * 4 * 2;
       constexpr int red_sh_delta = b_sh_stride;
@@ -808,6 +865,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       if (16 * i >= prob_m) break;
       int *lock = &locks[thread_m_blocks * slice_col_par + i];
       barrier_acquire(lock, slice_idx);
+      if (i == 0) MARLIN_TRACE_AT(2);
       // After thread_block_reduce the first active_threads threads hold the
       // tile's sums. The row block's 8 float4s per thread are loaded
       // together (plain L2 loads, in program order after the acquire; a
@@ -834,6 +892,86 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       }
       barrier_release(lock, last);
     }
+  };
+
+  // The slot reduction, for tiles of 32 rows or more (a chain's handoffs cost
+  // a few L2 round trips each, and at m >= 32 they add up to 7-15 us). Only
+  // the stripe that starts a column (its top: slice_idx == slice_count - 1)
+  // writes the result. Every other stripe meets the column with its first
+  // piece (a stripe's later pieces all start at a column's top), so block b
+  // stores that piece's fp32 tile in slot b of the scratch, without waiting
+  // for anyone, and counts itself in on the column's counter. The top block,
+  // which finishes the column last (it ends its stripe there), waits until
+  // the other slice_count - 1 have counted in, then adds their slots b + 1,
+  // b + 2, ... in that order: a fixed order, so results are the same from
+  // run to run. Slots are in the threads' own fragment order (thread t's
+  // float4 f at f * active_threads + t), and each thread stages the slots it
+  // needs through shared memory of its own with cp.async, so the loads of a
+  // whole tile are in flight at once without registers to hold them.
+  // Returns whether this block still has to count itself in (the caller does
+  // it once the next slice's first fetches are on their way).
+  auto slot_reduce = [&](bool last) -> bool {
+    constexpr int active_threads = 32 * thread_n_blocks / 4;
+    constexpr int tile_f4 = c_tile / 4;
+    constexpr int fit = Shape::slot_stage;
+    const int row_blocks = prob_m >= 16 * thread_m_blocks ? thread_m_blocks : ceildiv(prob_m, 16);
+    float4 *frag = reinterpret_cast<float4 *>(&frag_c);
+    float4 *slots = reinterpret_cast<float4 *>(C_tmp);
+    if (!last) {
+      if (threadIdx.x < active_threads) {
+        float4 *slot = &slots[tile_f4 * blockIdx.x + threadIdx.x];
+#pragma unroll
+        for (int f = 0; f < 8 * thread_m_blocks; f++)
+          if (f < 8 * row_blocks) __stcg(&slot[f * active_threads], frag[f]);
+      }
+      __syncthreads();
+      return true;
+    }
+    if (threadIdx.x == 0) {
+      int *counter = &locks[slice_col_par];
+      int state;
+      do
+        asm volatile("ld.global.acquire.gpu.b32 %0, [%1];\n" : "=r"(state) : "l"(counter));
+      while (state != slice_count - 1);
+      *counter = 0;  // for the next launch
+    }
+    __syncthreads();
+    MARLIN_TRACE_AT(2);
+    if (threadIdx.x < active_threads) {
+      float4 *stage = reinterpret_cast<float4 *>(sh) + threadIdx.x;
+      for (int b = 1; b < slice_count; b += fit) {
+        const int count = slice_count - b < fit ? slice_count - b : fit;
+        for (int q = 0; q < count; q++) {
+          const float4 *slot = &slots[tile_f4 * (blockIdx.x + b + q) + threadIdx.x];
+#pragma unroll
+          for (int f = 0; f < 8 * thread_m_blocks; f++)
+            if (f < 8 * row_blocks)
+              cp_async4(&stage[tile_f4 * q + f * active_threads], &slot[f * active_threads]);
+        }
+        cp_async_fence();
+        cp_async_wait<0>();
+        for (int q = 0; q < count; q++) {
+#pragma unroll
+          for (int i = 0; i < thread_m_blocks; i++) {
+            if (i < row_blocks) {
+#pragma unroll
+              for (int j = 0; j < 8; j++) {
+                float4 partial = stage[tile_f4 * q + (8 * i + j) * active_threads];
+                frag[8 * i + j].x += partial.x;
+                frag[8 * i + j].y += partial.y;
+                frag[8 * i + j].z += partial.z;
+                frag[8 * i + j].w += partial.w;
+              }
+            }
+            // One row block's loads at a time: hoisting all of them would
+            // need 128 more registers next to the 128 accumulators.
+            asm volatile("" ::: "memory");
+          }
+        }
+      }
+    }
+    __syncthreads();  // write_result reuses the staging memory
+    return false;
   };
 
   // Write out the reduce final result in the correct layout. We only actually
@@ -958,6 +1096,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     // While this pattern may not be the most readable, other ways of writing
     // the loop seemed to noticeably worse performance after compilation.
     if (slice_iters == 0) {
+      MARLIN_TRACE_AT(0);
       cp_async_wait<0>();
       bool last = slice_idx == slice_count - 1;
       // For per-column scales, we only fetch them here in the final step before
@@ -976,11 +1115,21 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
           reinterpret_cast<int4 *>(&frag_s)[1] = sh_s[s_sh_rd + 4];
         }
       }
-      if (slice_count > 1) // only globally reduce if there is more than one
-                           // block in a slice
-        global_reduce(slice_idx == 0, last);
+      MARLIN_TRACE_AT(1);
+      MARLIN_TRACE_AT(2);  // moved on by the reductions once their data is there
+      int *pending_count = &locks[slice_col_par];
+      bool pending = false;
+      if (slice_count > 1) { // only globally reduce if there is more than one
+                             // block in a slice
+        if constexpr (thread_m_blocks >= 2)
+          pending = slot_reduce(last);
+        else
+          global_reduce(slice_idx == 0, last);
+      }
+      MARLIN_TRACE_AT(3);
       if (last) // only the last block in a slice actually writes the result
         write_result();
+      MARLIN_TRACE_SLICE(slice_count, slice_idx);
       slice_row = 0;
       slice_col_par++;
       slice_col++;
@@ -999,8 +1148,17 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
         s_gl_rd = s_gl_start();  // slice_row is 0 again
         start_pipes();
       }
+      // Count in on the column of the slot stored above: the fence makes the
+      // slot's stores (ordered before it by the __syncthreads in slot_reduce)
+      // visible before the count. Done here, after the next slice's first
+      // fetches, the stores have mostly landed and the fence costs little.
+      if (pending && threadIdx.x == 0) {
+        asm volatile("fence.acq_rel.gpu;\n");
+        asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" : : "l"(pending_count), "r"(1));
+      }
     }
   }
+  MARLIN_TRACE_END();
 }
 
 #else

@@ -21,13 +21,19 @@ inline int64_t workspace_size(int64_t m, int64_t n) {
   return n / kMinThreadN * (row_blocks < 4 * kMaxPar ? row_blocks : 4 * kMaxPar);
 }
 
+// Thread blocks a launch runs at most (one per SM; an H200 has 132).
+constexpr int kMaxBlocks = 256;
+
 // fp32 partial sums that thread blocks sharing an output tile hand to each
-// other (the global reduction), for m rows of x: one float per element of the
-// largest launch's output, 16 ceil(m / 16) rows but at most kMaxPar blocks of
-// 64 rows. Launches run one after another on the stream and reuse it.
+// other (the global reduction), for m rows of x: launches of 16-row tiles
+// chain through one 16 x n tile, one per column slice; launches of 32..64-row
+// tiles give each thread block a slot of one output tile (at most 64 x 256).
+// Launches run one after another on the stream and reuse it.
 inline int64_t reduce_scratch_size(int64_t m, int64_t n) {
-  const int64_t rows = (m + kTile - 1) / kTile * kTile;
-  return (rows < 64 * kMaxPar ? rows : 64 * kMaxPar) * n;
+  const int64_t row_blocks = (m + kTile - 1) / kTile;
+  const int64_t slot = kTile * (row_blocks < 4 ? row_blocks : 4) * 256;
+  const int64_t slots = row_blocks >= 2 ? kMaxBlocks * slot : 0;
+  return slots > kTile * n ? slots : kTile * n;
 }
 
 // Group sizes the kernel is instantiated for: rows of k that share one scale,

@@ -28,6 +28,7 @@ _MIN_THREAD_K = 64  # shallowest k tile
 _MIN_THREAD_N = 64  # narrowest n tile
 _WIDE = 128  # one of k, n must fill a 128 tile
 _MAX_PAR = 16
+_MAX_BLOCKS = 256
 _INT32_OFFSETS = 2**31
 
 
@@ -52,11 +53,13 @@ def workspace_size(m: int, n: int) -> int:
 def reduce_scratch_size(m: int, n: int) -> int:
     """float32 partial sums the CUDA kernel hands between thread blocks for ``[m, n]``.
 
-    One float per element of its largest launch's output: ``16 ceil(m / 16)``
-    rows, at most 16 blocks of 64 rows (ffi/marlin_problem.h).
+    A 16-row tile per column for launches of 16 rows, a slot of one output
+    tile (at most 64 x 256) per thread block (at most 256) for launches of
+    32..64 rows (ffi/marlin_problem.h).
     """
-    rows = -(-m // TILE) * TILE
-    return min(rows, 64 * _MAX_PAR) * n
+    row_blocks = -(-m // TILE)
+    slots = _MAX_BLOCKS * TILE * min(row_blocks, 4) * 256 if row_blocks >= 2 else 0
+    return max(slots, TILE * n)
 
 
 def _check_ints(**values) -> None:
