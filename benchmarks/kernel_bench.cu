@@ -139,7 +139,6 @@ void print_trace(const std::vector<long long> &t, int blocks, double ghz) {
   double wait[4] = {}, work[4] = {}, tbr[4] = {}, maxwait[4] = {};
   int count[4] = {};
   long long g0 = t[30], g1 = t[31], longest = 0;
-  double end_spread_lo = 1e30, end_spread_hi = 0;
   for (int b = 0; b < blocks; ++b) {
     const long long *r = &t[32 * b];
     g0 = std::min(g0, r[30]);
@@ -155,8 +154,6 @@ void print_trace(const std::vector<long long> &t, int blocks, double ghz) {
       maxwait[role] = std::max(maxwait[role], double(e[2] - e[1]));
       work[role] += e[3] - e[2];
     }
-    end_spread_lo = std::min(end_spread_lo, double(r[31] - g0));
-    end_spread_hi = std::max(end_spread_hi, double(r[31] - g0));
   }
   std::printf("  trace: kernel %.2f us (globaltimer), longest block %.2f us at %.2f GHz\n",
               (g1 - g0) * 1e-3, longest / ghz * 1e-3, ghz);

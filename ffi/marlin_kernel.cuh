@@ -101,14 +101,16 @@ struct TileShape {
   static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
-  // The slot reduction stages whole fp32 output tiles (16-byte units).
+  static constexpr int reused = cmax(pipeline, cmax(reduce, write));
+  // The slot reduction stages as many whole fp32 output tiles (16-byte
+  // units) as that memory holds, at least one.
   static constexpr int tile_f4 = 16 * thread_m_blocks * 16 * thread_n_blocks / 4;
-  static constexpr int slot_stage = cmax(1, cmax(pipeline, cmax(reduce, write)) / tile_f4);
-  static constexpr int shared_bytes =
-      16 * cmax(cmax(pipeline, slot_stage * tile_f4), cmax(reduce, write));
+  static constexpr int slot_stage = cmax(1, reused / tile_f4);
+  static constexpr int shared_bytes = 16 * cmax(reused, slot_stage * tile_f4);
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
+  static_assert(16 * thread_n_blocks <= kMaxThreadN, "reduce_scratch_size sizes slots for this n tile");
   static_assert(thread_n_blocks % 4 == 0, "warps own n in steps of 64 columns");
   static_assert((threads / 32) % (thread_n_blocks / 4) == 0,
                 "warps must split evenly over n, then k");
@@ -912,7 +914,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // it once the next slice's first fetches are on their way).
   auto slot_reduce = [&](bool last) -> bool {
     constexpr int active_threads = 32 * thread_n_blocks / 4;
-    constexpr int tile_f4 = c_tile / 4;
+    constexpr int tile_f4 = Shape::tile_f4;
     constexpr int fit = Shape::slot_stage;
     const int row_blocks = prob_m >= 16 * thread_m_blocks ? thread_m_blocks : ceildiv(prob_m, 16);
     float4 *frag = reinterpret_cast<float4 *>(&frag_c);

@@ -10,6 +10,7 @@ namespace marlin {
 
 constexpr int kTile = 16;        // the kernel works on 16x16 weight tiles
 constexpr int kMinThreadN = 64;  // narrowest n tile
+constexpr int kMaxThreadN = 256; // widest n tile
 constexpr int kMinThreadK = 64;  // shallowest k tile
 constexpr int kMaxPar = 16;      // batch blocks of 64 rows run in one launch
 
@@ -27,11 +28,11 @@ constexpr int kMaxBlocks = 256;
 // fp32 partial sums that thread blocks sharing an output tile hand to each
 // other (the global reduction), for m rows of x: launches of 16-row tiles
 // chain through one 16 x n tile, one per column slice; launches of 32..64-row
-// tiles give each thread block a slot of one output tile (at most 64 x 256).
+// tiles give each thread block a slot of one output tile (at most 64 x kMaxThreadN).
 // Launches run one after another on the stream and reuse it.
 inline int64_t reduce_scratch_size(int64_t m, int64_t n) {
   const int64_t row_blocks = (m + kTile - 1) / kTile;
-  const int64_t slot = kTile * (row_blocks < 4 ? row_blocks : 4) * 256;
+  const int64_t slot = kTile * (row_blocks < 4 ? row_blocks : 4) * kMaxThreadN;
   const int64_t slots = row_blocks >= 2 ? kMaxBlocks * slot : 0;
   return slots > kTile * n ? slots : kTile * n;
 }

@@ -26,6 +26,7 @@ DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 TILE = 16  # the kernel's 16x16 weight tiles
 _MIN_THREAD_K = 64  # shallowest k tile
 _MIN_THREAD_N = 64  # narrowest n tile
+_MAX_THREAD_N = 256  # widest n tile
 _WIDE = 128  # one of k, n must fill a 128 tile
 _MAX_PAR = 16
 _MAX_BLOCKS = 256
@@ -58,7 +59,7 @@ def reduce_scratch_size(m: int, n: int) -> int:
     32..64 rows (ffi/marlin_problem.h).
     """
     row_blocks = -(-m // TILE)
-    slots = _MAX_BLOCKS * TILE * min(row_blocks, 4) * 256 if row_blocks >= 2 else 0
+    slots = _MAX_BLOCKS * TILE * min(row_blocks, 4) * _MAX_THREAD_N if row_blocks >= 2 else 0
     return max(slots, TILE * n)
 
 
