@@ -6,13 +6,40 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
+#include "decode_kernel.h"
 #include "marlin_launch.h"
 
 namespace marlin {
 namespace {
+
+// JAX_MARLIN_DECODE: unset or "1" lets m <= 16 run on the decode kernel on
+// sm_90, "0" keeps every m on the Marlin kernel, "cw,kw,s" forces a decode
+// configuration (benchmarks). JAX_MARLIN_PDL=0 turns programmatic dependent
+// launch off. Read once per process.
+struct DecodePolicy {
+  bool enabled = true;
+  bool pdl = true;
+  DecodeConfig forced;
+};
+
+const DecodePolicy &decode_policy() {
+  static const DecodePolicy policy = [] {
+    DecodePolicy p;
+    if (const char *v = std::getenv("JAX_MARLIN_DECODE")) {
+      if (std::string(v) == "0") p.enabled = false;
+      else if (std::sscanf(v, "%d,%d,%d", &p.forced.cw, &p.forced.kw, &p.forced.s) != 3)
+        p.forced = DecodeConfig{};
+    }
+    if (const char *v = std::getenv("JAX_MARLIN_PDL")) p.pdl = std::string(v) != "0";
+    return p;
+  }();
+  return policy;
+}
 
 struct DeviceInfo {
   cudaError_t error = cudaSuccess;
@@ -64,6 +91,17 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   if (info.major < 8)
     return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
            std::to_string(info.major) + "." + std::to_string(info.minor);
+
+  // Decode batch sizes on Hopper: one launch of the decode kernel, which
+  // needs neither the locks nor the scratch.
+  const DecodePolicy &policy = decode_policy();
+  if (info.major >= 9 && m <= kDecodeMaxM && policy.enabled) {
+    const DecodeConfig config = policy.forced.valid()
+                                    ? policy.forced
+                                    : choose_decode_config(m, n, k, group_size, info.sms);
+    if (config.valid())
+      return decode_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, config, policy.pdl, stream);
+  }
 
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32

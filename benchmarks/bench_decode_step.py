@@ -1,0 +1,126 @@
+"""A decode step as XLA runs it: the four projections of every Llama-3-8B block in one jit.
+
+Each of the 32 blocks runs qkv (4096 x 6144), o (4096 x 4096), gate_up
+(4096 x 28672) and down (14336 x 4096) on ``x [m, 4096]``, with RMSNorm
+before qkv and gate_up, the residual adds and SwiGLU between them (attention
+itself is left out: it is the same for both weight formats). The same step
+runs with float16 weights (``x @ w``) and with jax_marlin 4-bit weights
+(``jm.matmul``, group 128). Every call depends on the one before, as in a
+real step, so this is what a model sees, launch gaps included.
+
+Method: the jitted step is called ``--calls`` times after two warm-up calls,
+each call blocked on, and the median wall time reported (the step takes
+milliseconds, so host timing is exact enough). Weights are random; 4-bit
+weights are quantized from the float16 ones. Floor: weight bytes over the
+copy bandwidth measured in the same process.
+
+    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--out step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_marlin as jm
+
+HIDDEN, FFN, QKV = 4096, 14336, 6144
+
+
+def rms_norm(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype)
+
+
+def block(x, mm, w):
+    """One block's projections; ``mm(x, w)`` is the matmul of the weight format."""
+    h = mm(rms_norm(x), w["qkv"])
+    x = x + mm(h[:, :HIDDEN], w["o"])  # stands in for attention's output
+    gate_up = mm(rms_norm(x), w["gate_up"])
+    act = jax.nn.silu(gate_up[:, :FFN].astype(jnp.float32)) * gate_up[:, FFN:].astype(jnp.float32)
+    return x + mm(act.astype(x.dtype), w["down"])
+
+
+def step(x, weights, mm):
+    for w in weights:
+        x = block(x, mm, w)
+    return x
+
+
+def copy_tbps() -> float:
+    a = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    f = jax.jit(lambda a: a + 1)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        b = f(a)
+    b.block_until_ready()
+    return 2 * a.nbytes * 10 / (time.perf_counter() - t) / 1e12
+
+
+def timed(fn, *args, calls: int) -> float:
+    fn(*args).block_until_ready()
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--blocks", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    shapes = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * FFN),
+              "down": (FFN, HIDDEN)}
+    key = jax.random.key(0)
+    fp16, int4 = [], []
+    quantize = jax.jit(lambda w: jm.quantize(w, group_size=128))
+    for b in range(args.blocks):
+        wf, wq = {}, {}
+        for name, (k, n) in shapes.items():
+            key, sub = jax.random.split(key)
+            wf[name] = (jax.random.normal(sub, (k, n), jnp.float32) * k ** -0.5).astype(jnp.float16)
+            wq[name] = quantize(wf[name])
+        fp16.append(wf)
+        int4.append(wq)
+    fp16_bytes = sum(w.nbytes for blk in fp16 for w in blk.values())
+    int4_bytes = sum(w.nbytes for blk in int4 for w in blk.values())
+    tbps = copy_tbps()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.blocks} blocks, "
+          f"copy {tbps:.2f} TB/s; weights: float16 {fp16_bytes / 1e9:.2f} GB, "
+          f"jax_marlin g128 {int4_bytes / 1e9:.2f} GB")
+    f_fp16 = jax.jit(lambda x, w: step(x, w, lambda a, b: a @ b))
+    f_int4 = jax.jit(lambda x, w: step(x, w, jm.matmul))
+    rows = []
+    print(f"{'m':>4} {'float16 ms':>11} {'floor':>7} {'jax_marlin ms':>14} {'floor':>7} {'speedup':>8}")
+    for m in args.ms:
+        x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+        t16 = timed(f_fp16, x, fp16, calls=args.calls)
+        t4 = timed(f_int4, x, int4, calls=args.calls)
+        floor16 = fp16_bytes / tbps / 1e9
+        floor4 = int4_bytes / tbps / 1e9
+        print(f"{m:>4} {t16:>11.3f} {floor16:>7.3f} {t4:>14.3f} {floor4:>7.3f} {t16 / t4:>7.2f}x")
+        rows.append(dict(m=m, fp16_ms=t16, marlin_ms=t4, fp16_floor_ms=floor16,
+                         marlin_floor_ms=floor4, speedup=t16 / t4))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                           blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
+                           marlin_bytes=int4_bytes, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The decode kernel on a GPU machine, in one call: build decode_bench and the
+# package, check the kernel, time it against the Marlin kernel (independent
+# calls, dependent chains, CUDA graphs), sweep its configurations, run the GPU
+# tests and compute-sanitizer, and time a Llama-3-8B decode step through JAX.
+#
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests sanitize step
+#
+# Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stages=${*:-build check time sweep step tests sanitize}
+has() { [[ " $stages " == *" $1 "* ]]; }
+step() { echo; echo "=== $* ($(date +%T))"; }
+BIN=/tmp/decode_bench
+
+# 70B and 8B layers (k:n).
+LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
+
+if has build; then
+  step build
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+  JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+    python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 &
+  PIP=$!
+  mkdir -p /tmp/db && F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
+  for s in half nv_bfloat16; do for g in -1 2 4 8; do
+    nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_$g.o &
+  done; done
+  nvcc $F -Xptxas -v -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$OUT/ptxas.txt" 2>&1 &
+  nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
+  nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
+  wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
+  nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
+  grep -E "registers|spill" "$OUT/ptxas.txt" | sort | uniq -c
+  wait $PIP || { tail -30 "$OUT/build.log"; exit 1; }
+  (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
+fi
+
+if has check; then
+  step "check: decode kernel against float64 (six 64-column chunks), bias, repeats"
+  {
+    for g in 128 -1 32 64; do
+      $BIN --check --group $g --reps 4 1:4096:4096 3:8192:1024 8:1024:2048 9:4096:4096 16:4096:6144
+      $BIN --check --group $g --bf16 --reps 4 1:4096:4096 9:2048:1024 16:4096:6144
+    done
+    $BIN --check --group -1 --reps 4 1:640:192 5:576:256 16:640:192 2:640:1536
+    $BIN --check --group 64 --reps 4 1:576:256 13:640:192
+    $BIN --check --group 128 --reps 4 1:28672:8192 16:28672:8192 16:14336:4096 1:8192:57344
+    # Every configuration of a few shapes.
+    $BIN --check --sweep --group 128 --reps 4 16:4096:4096 1:2048:3072
+    $BIN --check --sweep --group -1 --reps 4 7:4096:1024
+    $BIN --check --sweep --group 32 --bf16 --reps 4 12:1024:512
+  } > "$OUT/check.log" 2>&1
+  echo "checks: $(grep -c '  check' "$OUT/check.log") run, $(grep -c FAILED "$OUT/check.log") failed"
+  grep -E "FAILED|error|Error" "$OUT/check.log" | head -20
+  grep "  check" "$OUT/check.log" | awk '{for(i=1;i<=NF;i++) if($i=="err") print $(i+1)}' | sort -g | tail -1 | sed 's/^/worst rel err: /'
+fi
+
+if has time; then
+  cases=""
+  step "time: launcher (decode kernel) against JAX_MARLIN_DECODE=0 (Marlin), fp16 g128"
+  for m in 1 2 4 8 16; do cases="$cases $(for l in $LAYERS; do echo -n "$m:$l "; done)"; done
+  $BIN --chain $cases > "$OUT/time-decode.log" 2>&1
+  JAX_MARLIN_DECODE=0 $BIN --chain $cases > "$OUT/time-marlin.log" 2>&1
+  JAX_MARLIN_PDL=0 $BIN --chain $cases > "$OUT/time-nopdl.log" 2>&1
+  $BIN --group -1 --chain $(for l in $LAYERS; do echo -n "1:$l 16:$l "; done) > "$OUT/time-g-1.log" 2>&1
+  $BIN --bf16 --chain $(for l in $LAYERS; do echo -n "1:$l 16:$l "; done) > "$OUT/time-bf16.log" 2>&1
+  paste <(grep -E "^ +[0-9]" "$OUT/time-decode.log") <(grep -E "^ +[0-9]" "$OUT/time-marlin.log" | awk '{print $5, $7, $8}') \
+        <(grep -E "^ +[0-9]" "$OUT/time-nopdl.log" | awk '{print $7, $8}') > "$OUT/time.txt"
+  echo "   m      k      n   config   us  TB/s  chain  graph | marlin: us chain graph | nopdl: chain graph"
+  cat "$OUT/time.txt"
+fi
+
+if has sweep; then
+  step "sweep: every decode configuration, fp16 g128, m = 1 and 16"
+  $BIN --sweep --reps 100 $(for l in $LAYERS; do echo -n "1:$l 4:$l 16:$l "; done) > "$OUT/sweep.log" 2>&1
+  grep -E "^ +[0-9]|sweep" "$OUT/sweep.log"
+fi
+
+if has step; then
+  step "Llama-3-8B decode step through JAX"
+  python3 benchmarks/bench_decode_step.py --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | tail -5
+  JAX_MARLIN_DECODE=0 python3 benchmarks/bench_decode_step.py --ms 1 16 2>&1 | tail -2 | sed 's/^/marlin only: /'
+fi
+
+if has tests; then
+  step "GPU tests"
+  (cd /tmp && timeout 300 python3 -m pytest -q -x -m gpu "$OLDPWD/tests" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+  tail -2 "$OUT/tests.log"
+fi
+
+if has sanitize; then
+  step "compute-sanitizer on the decode kernel"
+  for tool in memcheck racecheck synccheck; do
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 $BIN --check --reps 2 --group 128 \
+      1:1024:1024 16:640:192 9:2048:512 > "$OUT/sanitize-$tool.log" 2>&1
+    echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | head -1)"
+  done
+fi

@@ -1,0 +1,438 @@
+// The decode kernel (decode_kernel.h): m <= 16 on sm_90.
+//
+// Operands are swapped against the Marlin kernel: each tensor-core product
+// is mma.m16n8k16 with the WEIGHT as the A operand (16 columns of n as the
+// rows of A) and the activations as B (8 rows of m as its columns), so that
+// m <= 8 costs one mma per 16 x 16 weight tile instead of two. The packed
+// layout already holds the A fragment: the word of `lane` for a 16 x 16 tile
+// has W[k = 2 (lane % 4) + {0, 1} (+ 8)][n = lane / 4 (+ 8)], and the
+// dequantization of the Marlin kernel turns it into the pairs
+//   dequant(q)      = {(k 0-1, n), (k 8-9, n)}
+//   dequant(q >> 8) = {(k 0-1, n + 8), (k 8-9, n + 8)}
+// (relative to 2 (lane % 4) and lane / 4), which are the A registers
+// {a0a1, a4a5} and {a2a3, a6a7} of the row-major 16 x 16 A fragment.
+//
+// Work split: a warp streams one 64-column chunk over a range of k. A chunk
+// row of 16 k is 128 words, 16 bytes per lane: one coalesced 512-byte load
+// per warp and k step, kDepth steps of it in flight per warp (registers, no
+// shared-memory staging), the scales of each group fetched with them. A block
+// holds `cw` chunks times `kw` ranges of k; the `s` blocks of a cluster split
+// k further. x for the block's k range sits in shared memory (loaded once,
+// read with ldmatrix). The fp32 partial sums of all s * kw warps of a chunk
+// meet in shared memory and are added over the cluster through distributed
+// shared memory, in a fixed order (deterministic), by all the cluster's
+// threads, which also apply per-column scales and the bias and write C.
+#include "decode_kernel.h"
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "marlin_kernel.cuh"
+#include "marlin_problem.h"
+
+namespace marlin {
+
+namespace {
+
+constexpr int kDepth = 8;                   // k steps (16 rows) of weights in flight per warp
+constexpr int kMaxWarps = 8;                // warps per block (cw * kw)
+constexpr int kMaxCluster = 16;             // cluster size (over 8: non-portable, Hopper allows 16)
+constexpr int kMaxShared = 100 * 1024;      // shared memory per block we allow, bytes
+constexpr int kChunk = 64;                  // columns per warp
+
+struct DecodeParams {
+  const int4 *A;     // [m, k]
+  const int4 *B;     // [k / 16, 2 n]
+  const int4 *s;     // [k / g, n] or [1, n], permuted
+  const void *bias;  // [n] or null
+  void *C;           // [m, n]
+  int m, n, k;
+  int cw, kw;        // chunks and k ranges per block
+  int k_warp;        // k rows per warp
+};
+
+// Rows of k that each warp's range must be a multiple of: whole groups (the
+// scale fetch and the x loads go by groups and pairs of k steps).
+inline int64_t k_granule(int64_t group_size) {
+  return group_size == -1 ? 32 : (group_size > 32 ? group_size : 32);
+}
+
+inline int m_pad_of(int64_t m) { return m <= 8 ? 8 : 16; }
+
+// Shared memory of one block: x for its k range (rows padded by 16 bytes so
+// that ldmatrix's eight row addresses fall in distinct banks), later reused
+// for the fp32 partial sums of its warps.
+inline int64_t shared_bytes(const DecodeConfig &c, int64_t m, int64_t k) {
+  const int64_t m_pad = m_pad_of(m);
+  const int64_t x = m_pad * (k / c.s + 8) * 2;
+  const int64_t red = int64_t(c.kw) * c.cw * kChunk * m_pad * 4;
+  return x > red ? x : red;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// 16-byte loads under a predicate written into the asm, so that the compiler
+// sees the destination written either way: with `if (p) v = load()` it keeps
+// the old value in a copy, whose move back waits for the load, and only one
+// step of weights would be in flight. Weights are read once (L1 keeps none).
+__device__ inline int4 load_stream(const int4 *p, bool pred) {
+  int4 v;
+  asm volatile("{\n"
+               "  .reg .pred q;\n"
+               "  setp.ne.b32 q, %5, 0;\n"
+               "  @q ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+               "}\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "r"(int(pred)));
+  return v;
+}
+
+__device__ inline void prefetch_l2(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// cp.async of 16 bytes, or 16 zero bytes when `valid` is false.
+__device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool valid) {
+  uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(glob_ptr),
+               "r"(valid ? 16 : 0));
+}
+
+template <typename scalar_t, int group_blocks, int m_halves>
+__global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodeParams p) {
+  namespace cg = cooperative_groups;
+  using Scalar = ScalarType<scalar_t>;
+  using T2 = typename Scalar::T2;
+  constexpr int m_pad = 8 * m_halves;
+  constexpr bool grouped = group_blocks != -1;
+  // Groups (of group_blocks k steps) met in one window of kDepth steps.
+  constexpr int window_groups = grouped ? (kDepth >= group_blocks ? kDepth / group_blocks : 1) : 1;
+  static_assert(!grouped || kDepth % group_blocks == 0 || group_blocks % kDepth == 0, "");
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int s_blocks = int(cluster.num_blocks());
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cw = warp % p.cw, kw = warp / p.cw;
+  const int chunk = blockIdx.y * p.cw + cw;
+  const int k_block = p.kw * p.k_warp;
+  const int kb0 = rank * k_block;          // first k row of this block
+  const int k_rel = kw * p.k_warp;         // first k row of this warp, within the block
+  const int steps = p.k_warp / 16;         // even (k_granule)
+
+  // Lane's 16 bytes of the chunk row: words 4 lane .. 4 lane + 3 = tiles 0..3.
+  const int w_stride = p.n / 2;  // int4 per row of 16 k
+  const int4 *w_ptr = p.B + int64_t((kb0 + k_rel) / 16) * w_stride + 32 * chunk + lane;
+
+  // The first weights do not depend on the previous kernel: pull them into
+  // L2 before waiting for it (L2 is coherent, so this is safe even if that
+  // kernel writes them).
+#pragma unroll
+  for (int j = 0; j < kDepth; j++)
+    if (j < steps) prefetch_l2(w_ptr + int64_t(j) * w_stride);
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n");
+
+  // x rows 0..m_pad-1 of the block's k range, zero past m.
+  extern __shared__ int4 smem[];
+  const int xs_stride = k_block / 8 + 1;  // int4 per row
+  {
+    const int row_int4 = k_block / 8;
+    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
+      const int r = i / row_int4, c = i % row_int4;
+      const bool valid = r < p.m;
+      const int4 *src = p.A + (valid ? int64_t(r) * (p.k / 8) + kb0 / 8 + c : 0);
+      cp_async_zfill(&smem[r * xs_stride + c], src, valid);
+    }
+    cp_async_fence();
+  }
+
+  // Weight and scale rings: step j of the window is in wq[j]; the scales of
+  // the window's group q in sq[q] (thread's 8 scales: columns lane / 4 + 8 i
+  // of the chunk, i.e. tile t's n and n + 8 at halves 2 t and 2 t + 1).
+  int4 wq[kDepth];
+#pragma unroll
+  for (int j = 0; j < kDepth; j++) wq[j] = load_stream(w_ptr + int64_t(j) * w_stride, j < steps);
+  const int s_stride = p.n / 8;  // int4 per row of scales
+  const int4 *s_ptr = p.s + 8 * chunk + lane / 4;
+  const int group_row0 = grouped ? (kb0 + k_rel) / (16 * group_blocks) : 0;
+  int4 sq[window_groups];
+  if constexpr (grouped) {
+#pragma unroll
+    for (int q = 0; q < window_groups; q++)
+      sq[q] = load_stream(s_ptr + int64_t(group_row0 + q) * s_stride, q * group_blocks < steps);
+  }
+
+  FragC acc[4][m_halves];
+#pragma unroll
+  for (int t = 0; t < 4; t++)
+#pragma unroll
+    for (int h = 0; h < m_halves; h++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[t][h][i] = 0.f;
+
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const scalar_t *xs = reinterpret_cast<const scalar_t *>(smem);
+  // ldmatrix row address of this lane: matrix lane / 8 (k offset 8 (lane / 8)
+  // of a pair of steps), row lane % 8 (m).
+  const scalar_t *x_lane = xs + (lane % 8) * (8 * xs_stride) + k_rel + 8 * (lane / 8);
+
+  // Steps j and j + 1 of the window at `base`: their x fragments (registers
+  // {0, 1} and {2, 3} of one ldmatrix.x4 per 8 rows of m), then per step
+  // dequantize, scale and multiply. With `refill`, the weights and group
+  // scales kDepth steps ahead go into the slots this pair frees.
+  auto pair = [&](int base, int j, bool refill) {
+    FragA<scalar_t> xb[m_halves];
+#pragma unroll
+    for (int h = 0; h < m_halves; h++)
+      ldsm4<scalar_t>(xb[h], x_lane + h * 8 * (8 * xs_stride) + 16 * (base + j));
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const int step = base + j + u;
+      // Read in place: a copy of the slot while its refill is under way
+      // makes the compiler alternate registers, and the moves that realign
+      // them at the loop's end wait for the loads.
+      I4 &w = *reinterpret_cast<I4 *>(&wq[j + u]);
+      FragS<scalar_t> sc[4];  // per tile: (scale of n, scale of n + 8)
+      if constexpr (grouped) {
+        const int4 sv = sq[((j + u) / group_blocks) % window_groups];
+#pragma unroll
+        for (int t = 0; t < 4; t++) sc[t][0] = reinterpret_cast<const T2 *>(&sv)[t];
+      }
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        FragB<scalar_t> lo = dequant<scalar_t>(w[t]);
+        FragB<scalar_t> hi = dequant<scalar_t>(w[t] >> 8);
+        if constexpr (grouped) {
+          const T2 s_n = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
+          const T2 s_n8 = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
+          lo[0] = __hmul2(lo[0], s_n);
+          lo[1] = __hmul2(lo[1], s_n);
+          hi[0] = __hmul2(hi[0], s_n8);
+          hi[1] = __hmul2(hi[1], s_n8);
+        }
+        FragA<scalar_t> a;
+        a[0] = lo[0];
+        a[1] = hi[0];
+        a[2] = lo[1];
+        a[3] = hi[1];
+#pragma unroll
+        for (int h = 0; h < m_halves; h++) {
+          FragB<scalar_t> b;
+          b[0] = xb[h][2 * u];
+          b[1] = xb[h][2 * u + 1];
+          mma<scalar_t>(a, b, acc[t][h]);
+        }
+      }
+      if (refill)
+        wq[j + u] = load_stream(w_ptr + int64_t(step + kDepth) * w_stride, step + kDepth < steps);
+      if constexpr (grouped) {
+        // The group's last step: its slot takes the group one window ahead.
+        if (refill && (j + u + 1) % group_blocks == 0) {
+          const int next_step = step + 1 + kDepth - group_blocks;
+          sq[((j + u) / group_blocks) % window_groups] = load_stream(
+              s_ptr + int64_t(group_row0 + next_step / group_blocks) * s_stride, next_step < steps);
+        }
+      }
+    }
+  };
+  // Whole windows with refills, then the steps left (already in the slots).
+  const int full = steps - steps % kDepth;
+  for (int base = 0; base < full; base += kDepth) {
+#pragma unroll
+    for (int j = 0; j < kDepth; j += 2) pair(base, j, true);
+  }
+#pragma unroll
+  for (int j = 0; j < kDepth; j += 2)
+    if (full + j < steps) pair(full, j, false);
+
+  // Partial sums of every warp into shared memory: red[(kw cw + cw) 64 + n][m].
+  __syncthreads();  // x is no longer read
+  float *red = reinterpret_cast<float *>(smem);
+  {
+    float *mine = red + ((kw * p.cw + cw) * kChunk) * m_pad;
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+#pragma unroll
+      for (int h = 0; h < m_halves; h++) {
+        const int n0 = 16 * t + lane / 4, m0 = 8 * h + 2 * (lane % 4);
+        *reinterpret_cast<float2 *>(&mine[n0 * m_pad + m0]) = make_float2(acc[t][h][0], acc[t][h][1]);
+        *reinterpret_cast<float2 *>(&mine[(n0 + 8) * m_pad + m0]) =
+            make_float2(acc[t][h][2], acc[t][h][3]);
+      }
+  }
+  cluster.sync();
+
+  // The cluster's output: m rows x cw * 64 columns, a pair of columns per
+  // thread and step, spread over all the cluster's threads.
+  const int pairs = p.cw * kChunk / 2;
+  T2 *C = reinterpret_cast<T2 *>(p.C);
+  const T2 *bias = reinterpret_cast<const T2 *>(p.bias);
+  const scalar_t *scales = reinterpret_cast<const scalar_t *>(p.s);
+  for (int i = rank * blockDim.x + threadIdx.x; i < p.m * pairs; i += s_blocks * blockDim.x) {
+    const int row = i / pairs, pair = i % pairs;
+    const int c = pair / (kChunk / 2), nl = 2 * (pair % (kChunk / 2));
+    float v0 = 0.f, v1 = 0.f;
+    for (int q = 0; q < s_blocks; q++) {
+      const float *theirs = cluster.map_shared_rank(red, q);
+      for (int r = 0; r < p.kw; r++) {
+        const float *part = theirs + ((r * p.cw + c) * kChunk + nl) * m_pad + row;
+        v0 += part[0];
+        v1 += part[m_pad];
+      }
+    }
+    const int col = (blockIdx.y * p.cw + c) * kChunk + nl;
+    if constexpr (!grouped) {
+      // Per-column scales: position 8 i + 2 u + v of each 32 holds column
+      // 8 u + 2 i + v (col is even, so v = 0 here and 1 for col + 1).
+      const int in32 = col % 32;
+      const int stored = col - in32 + 8 * ((in32 % 8) / 2) + 2 * (in32 / 8);
+      v0 *= Scalar::to_float(scales[stored]);
+      v1 *= Scalar::to_float(scales[stored + 1]);
+    }
+    if (bias) {
+      const float2 b = Scalar::to_floats(bias[col / 2]);
+      v0 += b.x;
+      v1 += b.y;
+    }
+    C[(int64_t(row) * p.n + col) / 2] = Scalar::from_floats(v0, v1);
+  }
+  // No block may leave while another still reads its partial sums.
+  cluster.sync();
+}
+
+#else
+
+// Host pass and devices before sm_90: the launcher never launches it there.
+template <typename scalar_t, int group_blocks, int m_halves>
+__global__ void decode_kernel(const DecodeParams) {}
+
+#endif
+
+template <typename scalar_t, int group_blocks, int m_halves>
+std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
+                   cudaStream_t stream) {
+  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves>;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t attr_error[kMaxDevices];
+  int device;
+  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
+  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
+  std::call_once(once[device], [&] {
+    (attr_error[device] =
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxShared)) ||
+        (attr_error[device] =
+             cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  });
+  if (attr_error[device]) return cuda_error("cudaFuncSetAttribute", attr_error[device]);
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(c.s, p.n / kChunk / c.cw, 1);
+  config.blockDim = dim3(32 * c.cw * c.kw, 1, 1);
+  config.dynamicSmemBytes = size_t(shared);
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = c.s;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attrs;
+  config.numAttrs = pdl ? 2 : 1;
+  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, p))
+    return cuda_error("decode kernel launch", error);
+  if (cudaError_t error = cudaGetLastError()) return cuda_error("decode kernel launch", error);
+  return {};
+}
+
+template <typename scalar_t, int group_blocks>
+std::string launch_m(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
+                     cudaStream_t stream) {
+  if (p.m <= 8) return launch<scalar_t, group_blocks, 1>(p, c, shared, pdl, stream);
+  return launch<scalar_t, group_blocks, 2>(p, c, shared, pdl, stream);
+}
+
+template <typename scalar_t>
+std::string launch_group(int64_t group_size, const DecodeParams &p, const DecodeConfig &c,
+                         int64_t shared, bool pdl, cudaStream_t stream) {
+  switch (group_size) {
+    case -1: return launch_m<scalar_t, -1>(p, c, shared, pdl, stream);
+    case 32: return launch_m<scalar_t, 2>(p, c, shared, pdl, stream);
+    case 64: return launch_m<scalar_t, 4>(p, c, shared, pdl, stream);
+    case 128: return launch_m<scalar_t, 8>(p, c, shared, pdl, stream);
+  }
+  return "jax_marlin: the decode kernel has no instance for group_size " +
+         std::to_string(group_size);
+}
+
+}  // namespace
+
+std::string check_decode_config(const DecodeConfig &c, int64_t m, int64_t n, int64_t k,
+                                int64_t group_size) {
+  auto s = [](int64_t v) { return std::to_string(v); };
+  if (m < 1 || m > kDecodeMaxM) return "the decode kernel takes 1 <= m <= 16, got m = " + s(m);
+  if (c.cw < 1 || c.kw < 1 || c.s < 1 || c.cw * c.kw > kMaxWarps || c.s > kMaxCluster)
+    return "decode configuration (cw " + s(c.cw) + ", kw " + s(c.kw) + ", s " + s(c.s) +
+           ") out of range";
+  if ((n / kChunk) % c.cw) return "n / 64 = " + s(n / kChunk) + " is not a multiple of cw " + s(c.cw);
+  if (k % (k_granule(group_size) * c.s * c.kw))
+    return "k = " + s(k) + " does not split into " + s(c.s * c.kw) + " ranges of whole " +
+           s(k_granule(group_size)) + "-row units";
+  if (shared_bytes(c, m, k) > kMaxShared)
+    return "decode configuration needs " + s(shared_bytes(c, m, k)) + " bytes of shared memory";
+  return {};
+}
+
+namespace {
+bool config_fits(const DecodeConfig &c, int64_t m, int64_t n, int64_t k, int64_t group_size) {
+  return m >= 1 && m <= kDecodeMaxM && c.cw >= 1 && c.kw >= 1 && c.s >= 1 &&
+         c.cw * c.kw <= kMaxWarps && c.s <= kMaxCluster && (n / kChunk) % c.cw == 0 &&
+         k % (k_granule(group_size) * c.s * c.kw) == 0 && shared_bytes(c, m, k) <= kMaxShared;
+}
+}  // namespace
+
+DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int sms) {
+  // Aim for about 12 resident warps per SM, each streaming at least 256 rows
+  // of k, with as few k splits as that allows (every split adds partial sums
+  // to reduce), and at least one block per SM.
+  const int64_t chunks = n / kChunk;
+  DecodeConfig best;
+  double best_cost = 0;
+  for (int cw : {4, 2, 1})
+    for (int kw : {1, 2, 4})
+      for (int s = 1; s <= kMaxCluster; s++) {
+        DecodeConfig c{cw, kw, s};
+        if (!config_fits(c, m, n, k, group_size)) continue;
+        const int64_t warps = chunks * s * kw, blocks = chunks / cw * s;
+        const int64_t k_warp = k / (s * kw);
+        const double per_sm = double(warps) / sms;
+        double cost = per_sm < 12 ? 12 / per_sm : 1.0;  // too few warps: latency-bound
+        if (k_warp < 256) cost *= 1.0 + (256.0 - k_warp) / 256;
+        if (blocks < sms) cost *= 1.5;
+        cost *= 1.0 + 0.01 * s * kw;  // reduction
+        if (s > 8) cost *= 1.3;       // non-portable clusters: only when x needs them
+        if (!best.valid() || cost < best_cost) best = c, best_cost = cost;
+      }
+  return best;
+}
+
+std::string decode_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
+                          int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
+                          const DecodeConfig &config, bool pdl, cudaStream_t stream) {
+  if (std::string why = check_decode_config(config, m, n, k, group_size); !why.empty())
+    return "jax_marlin: " + why;
+  DecodeParams p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
+                 static_cast<const int4 *>(s), bias, C, int(m), int(n), int(k),
+                 config.cw, config.kw, int(k / (config.s * config.kw))};
+  const int64_t shared = shared_bytes(config, m, k);
+  return bf16 ? launch_group<nv_bfloat16>(group_size, p, config, shared, pdl, stream)
+              : launch_group<half>(group_size, p, config, shared, pdl, stream);
+}
+
+}  // namespace marlin
