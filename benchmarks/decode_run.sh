@@ -76,7 +76,7 @@ fi
 
 if has sweep; then
   step "sweep: every decode configuration, fp16 g128, m = 1 and 16"
-  $BIN --sweep --reps 100 $(for l in $LAYERS; do echo -n "1:$l 4:$l 16:$l "; done) > "$OUT/sweep.log" 2>&1
+  $BIN --sweep --reps 100 $(for l in $LAYERS; do echo -n "1:$l 4:$l 8:$l 16:$l "; done) > "$OUT/sweep.log" 2>&1
   grep -E "^ +[0-9]|sweep" "$OUT/sweep.log"
 fi
 

@@ -68,7 +68,7 @@ inline int m_pad_of(int64_t m) { return m <= 8 ? 8 : 16; }
 inline int64_t shared_bytes(const DecodeConfig &c, int64_t m, int64_t k) {
   const int64_t m_pad = m_pad_of(m);
   const int64_t x = m_pad * (k / c.s + 8) * 2;
-  const int64_t red = int64_t(c.kw) * c.cw * kChunk * m_pad * 4;
+  const int64_t red = int64_t(c.kw) * m_pad * (c.cw * kChunk + 4) * 4;
   return x > red ? x : red;
 }
 
@@ -251,56 +251,68 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   for (int j = 0; j < kDepth; j += 2)
     if (full + j < steps) pair(full, j, false);
 
-  // Partial sums of every warp into shared memory: red[(kw cw + cw) 64 + n][m].
+  // Partial sums of every warp into shared memory, rows of m then columns:
+  // red[(kw m_pad + m) rs + 64 cw + n]. rs = 64 cw + 4 staggers the rows by
+  // 4 banks, so a warp's scattered stores hit 32 banks.
   __syncthreads();  // x is no longer read
   float *red = reinterpret_cast<float *>(smem);
-  {
-    float *mine = red + ((kw * p.cw + cw) * kChunk) * m_pad;
+  const int rs = p.cw * kChunk + 4;
 #pragma unroll
-    for (int t = 0; t < 4; t++)
+  for (int t = 0; t < 4; t++)
 #pragma unroll
-      for (int h = 0; h < m_halves; h++) {
-        const int n0 = 16 * t + lane / 4, m0 = 8 * h + 2 * (lane % 4);
-        *reinterpret_cast<float2 *>(&mine[n0 * m_pad + m0]) = make_float2(acc[t][h][0], acc[t][h][1]);
-        *reinterpret_cast<float2 *>(&mine[(n0 + 8) * m_pad + m0]) =
-            make_float2(acc[t][h][2], acc[t][h][3]);
-      }
+    for (int h = 0; h < m_halves; h++) {
+      const int n0 = cw * kChunk + 16 * t + lane / 4, m0 = 8 * h + 2 * (lane % 4);
+      float *row0 = red + (kw * m_pad + m0) * rs + n0;
+      row0[0] = acc[t][h][0];
+      row0[rs] = acc[t][h][1];
+      row0[8] = acc[t][h][2];
+      row0[rs + 8] = acc[t][h][3];
+    }
+  __syncthreads();
+  // This block's k ranges summed into the kw = 0 rows (one float4 of a row
+  // of m per thread and step, in kw order).
+  const int quads = p.cw * kChunk / 4;
+  for (int i = threadIdx.x; i < p.m * quads; i += blockDim.x) {
+    float4 *dst = reinterpret_cast<float4 *>(red + (i / quads) * rs) + i % quads;
+    float4 v = *dst;
+    for (int r = 1; r < p.kw; r++) {
+      const float4 o = reinterpret_cast<const float4 *>(red + (r * m_pad + i / quads) * rs)[i % quads];
+      v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+    }
+    *dst = v;
   }
   cluster.sync();
 
-  // The cluster's output: m rows x cw * 64 columns, a pair of columns per
-  // thread and step, spread over all the cluster's threads.
-  const int pairs = p.cw * kChunk / 2;
+  // Then over the cluster's blocks, in rank order, through distributed
+  // shared memory: the m x cw 64 outputs dealt out evenly over all the
+  // cluster's threads (item i to rank i % s), 4 columns each.
   T2 *C = reinterpret_cast<T2 *>(p.C);
   const T2 *bias = reinterpret_cast<const T2 *>(p.bias);
   const scalar_t *scales = reinterpret_cast<const scalar_t *>(p.s);
-  for (int i = rank * blockDim.x + threadIdx.x; i < p.m * pairs; i += s_blocks * blockDim.x) {
-    const int row = i / pairs, pair = i % pairs;
-    const int c = pair / (kChunk / 2), nl = 2 * (pair % (kChunk / 2));
-    float v0 = 0.f, v1 = 0.f;
+  for (int i = threadIdx.x * s_blocks + rank; i < p.m * quads; i += blockDim.x * s_blocks) {
+    const int row = i / quads, quad = i % quads;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
     for (int q = 0; q < s_blocks; q++) {
-      const float *theirs = cluster.map_shared_rank(red, q);
-      for (int r = 0; r < p.kw; r++) {
-        const float *part = theirs + ((r * p.cw + c) * kChunk + nl) * m_pad + row;
-        v0 += part[0];
-        v1 += part[m_pad];
+      const float4 o = reinterpret_cast<const float4 *>(cluster.map_shared_rank(red, q) + row * rs)[quad];
+      v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
+    }
+    const int col = blockIdx.y * p.cw * kChunk + 4 * quad;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      if constexpr (!grouped) {
+        // Per-column scales: position 8 i + 2 u + v of each 32 holds column
+        // 8 u + 2 i + v.
+        const int in32 = (col + e) % 32;
+        v[e] *= Scalar::to_float(scales[col + e - in32 + 8 * ((in32 % 8) / 2) + 2 * (in32 / 8) + in32 % 2]);
       }
     }
-    const int col = (blockIdx.y * p.cw + c) * kChunk + nl;
-    if constexpr (!grouped) {
-      // Per-column scales: position 8 i + 2 u + v of each 32 holds column
-      // 8 u + 2 i + v (col is even, so v = 0 here and 1 for col + 1).
-      const int in32 = col % 32;
-      const int stored = col - in32 + 8 * ((in32 % 8) / 2) + 2 * (in32 / 8);
-      v0 *= Scalar::to_float(scales[stored]);
-      v1 *= Scalar::to_float(scales[stored + 1]);
-    }
     if (bias) {
-      const float2 b = Scalar::to_floats(bias[col / 2]);
-      v0 += b.x;
-      v1 += b.y;
+      const float2 b0 = Scalar::to_floats(bias[col / 2]), b1 = Scalar::to_floats(bias[col / 2 + 1]);
+      v[0] += b0.x, v[1] += b0.y, v[2] += b1.x, v[3] += b1.y;
     }
-    C[(int64_t(row) * p.n + col) / 2] = Scalar::from_floats(v0, v1);
+    T2 out[2] = {Scalar::from_floats(v[0], v[1]), Scalar::from_floats(v[2], v[3])};
+    *reinterpret_cast<uint2 *>(&C[(int64_t(row) * p.n + col) / 2]) = *reinterpret_cast<uint2 *>(out);
   }
   // No block may leave while another still reads its partial sums.
   cluster.sync();
