@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_marlin as jm
-from jax_marlin.primitive import _bind
+from jax_marlin.ops import _matmul
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 # m: 1 (small tiles), 17 (large tiles, partial 16-row block), 65 (a 64-row
@@ -44,7 +44,7 @@ CASES = [  # (k, n, group_size, dtype, bias, ms)
 
 @jax.jit
 def run(x, w, bias):
-    return _bind(x, w, bias=bias, poison_output=True)
+    return _matmul(x, w, bias=bias, poison_output=True)
 
 
 key = jax.random.key(0)

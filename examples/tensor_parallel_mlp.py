@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
-from jax_marlin.sharding import shard_weight
+from jax_marlin.partitioning import shard_weight
 
 d, f, m = 1024, 4096, 48  # model width, hidden width, tokens
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_marlin import shapes
+from jax_marlin._compat import Tracer
 
 __all__ = ["MarlinWeight", "quantize", "pack", "unpack", "dequantize"]
 
@@ -128,7 +129,7 @@ def _describe(a) -> str:
 
 
 def _is_concrete(a) -> bool:
-    return not isinstance(a, jax.core.Tracer)
+    return not isinstance(a, Tracer)
 
 
 def _group_rows(k: int, group_size: int) -> int:
@@ -347,7 +348,8 @@ def _check_weight(w) -> None:
     """Raises unless ``w`` is a consistent :class:`MarlinWeight` the kernel runs."""
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"expected a jax_marlin.MarlinWeight, got {type(w).__name__}")
-    shapes.padded_shape(w.k, w.n, w.group_size)  # valid logical sizes and group size
+    # Valid logical sizes and group size; the padding quantize and pack give.
+    padded = shapes.padded_shape(w.k, w.n, w.group_size)
     q_shape = tuple(w.qweight.shape)
     s_shape = tuple(w.scales.shape)
     if len(q_shape) != 2 or q_shape[1] % 2:
@@ -356,7 +358,8 @@ def _check_weight(w) -> None:
         raise ValueError(f"qweight.shape = {q_shape} packs [k_pad, n_pad] = "
                          f"[{w.k_pad}, {w.n_pad}], smaller than the weight's "
                          f"[k, n] = [{w.k}, {w.n}]")
-    shapes.check_layer(w.k_pad, w.n_pad, w.group_size)
+    if w.padded_shape != padded:  # padded some other way: must still run as it is
+        shapes.check_layer(w.k_pad, w.n_pad, w.group_size)
     expected_s = (shapes.num_groups(w.k_pad, w.group_size), w.n_pad)
     if s_shape != expected_s:
         raise ValueError(f"scales.shape = {s_shape}, expected {expected_s} for "

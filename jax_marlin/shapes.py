@@ -164,7 +164,7 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
     return x_dtype
 
 
-def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
+def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
                  bias_shape, bias_dtype, *, k: int, n: int, group_size: int) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 

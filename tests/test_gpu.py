@@ -16,7 +16,7 @@ import pytest
 
 import jax_marlin as jm
 from conftest import FP16_U, random_weight, rel_err
-from jax_marlin.primitive import _bind
+from jax_marlin.ops import _matmul
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +140,7 @@ def packed_shape(w) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames="poison")
 def marlin(x, w, bias=None, poison=True):
-    return _bind(x, w, bias=bias, poison_output=poison)
+    return _matmul(x, w, bias=bias, poison_output=poison)
 
 
 def check_against_float64(rng, w, w64, m, *, bias=False):

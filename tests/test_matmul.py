@@ -9,7 +9,7 @@ import pytest
 
 import jax_marlin as jm
 from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
-from jax_marlin.primitive import _bind
+from jax_marlin.ops import _matmul
 
 # The CPU handler and the reference compute x @ W (+ bias) exactly up to fp32
 # accumulation (W's values (q - 8) * scale are exact in fp32) and round once to
@@ -30,7 +30,7 @@ ODD = [(576, 192), (576, 1000), (1000, 576), (4100, 130)]
 
 def poisoned(x, w, bias=None):
     """jm.matmul whose output buffer starts as NaN: an unwritten element shows."""
-    return jax.jit(lambda x, w, b: _bind(x, w, b, poison_output=True))(x, w, bias)
+    return jax.jit(lambda x, w, b: _matmul(x, w, b, poison_output=True))(x, w, bias)
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +301,21 @@ def test_handler_rechecks_buffers(rng, weights):
     for kwargs, match in cases:
         with pytest.raises(Exception, match=match):
             call(*kwargs.pop("args"), **kwargs)
+
+
+def test_each_check_runs_once_per_trace(rng, weights, monkeypatch):
+    # The user's arguments are checked once (ops), the kernel's operands once
+    # (the primitive's abstract eval); nothing in between re-checks them.
+    from jax_marlin import shapes
+
+    calls = {"padded_shape": 0, "check_operands": 0}
+    for name in calls:
+        def counted(*args, _name=name, _f=getattr(shapes, name), **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(shapes, name, counted)
+    w = weights[(512, 320, 128)]
+    x, bias = random_x(rng, 5, 512), random_x(rng, 320)
+    jax.clear_caches()  # an inner jit traced by an earlier test would skip its checks
+    jax.jit(jm.matmul).lower(x, w, bias)
+    assert calls == {"padded_shape": 1, "check_operands": 1}

@@ -26,8 +26,8 @@ from flax import nnx
 from jax_marlin import shapes
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
-from jax_marlin.primitive import matmul
-from jax_marlin.sharding import weight_specs
+from jax_marlin.ops import matmul
+from jax_marlin.partitioning import weight_specs
 
 __all__ = [
     "MarlinLinear",
