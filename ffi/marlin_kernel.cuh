@@ -38,6 +38,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "marlin_launch.h"
 
@@ -1212,20 +1213,31 @@ std::string launch_m(int thread_m_blocks, const LaunchArgs &p) {
     case 1: return launch<scalar_t, threads, 1, thread_n_blocks, thread_k_blocks, group_blocks>(p);
     case 2: return launch<scalar_t, threads, 2, thread_n_blocks, thread_k_blocks, group_blocks>(p);
     case 3: return launch<scalar_t, threads, 3, thread_n_blocks, thread_k_blocks, group_blocks>(p);
-    default: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks>(p);
+    case 4: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks>(p);
+    default: return "jax_marlin: no kernel for thread_m_blocks = " + std::to_string(thread_m_blocks);
   }
 }
 
-// The four tiles of marlin_problem.h's tables, as (threads, n blocks, k blocks).
+// The tile of marlin_problem.h's kTiles equal to `c`, instantiated for each
+// entry of the table in order (and for nothing else).
+template <typename scalar_t, int group_blocks, size_t... tile>
+std::string launch_tile_of(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p,
+                           std::index_sequence<tile...>) {
+  std::string why = "jax_marlin: no kernel for the tile (thread_k, thread_n, threads) = (" +
+                    std::to_string(c.thread_k) + ", " + std::to_string(c.thread_n) + ", " +
+                    std::to_string(c.threads) + ")";
+  ((c == kTiles[tile] &&
+    (why = launch_m<scalar_t, kTiles[tile].threads, kTiles[tile].thread_n / 16,
+                    kTiles[tile].thread_k / 16, group_blocks>(thread_m_blocks, p),
+     true)) ||
+   ...);
+  return why;
+}
+
 template <typename scalar_t, int group_blocks>
 std::string launch_tile(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p) {
-  if (c.thread_k == 128 && c.thread_n == 128 && c.threads == 256)
-    return launch_m<scalar_t, 256, 8, 8, group_blocks>(thread_m_blocks, p);
-  if (c.thread_k == 128 && c.thread_n == 64 && c.threads == 128)
-    return launch_m<scalar_t, 128, 4, 8, group_blocks>(thread_m_blocks, p);
-  if (c.thread_k == 64 && c.thread_n == 256 && c.threads == 256)
-    return launch_m<scalar_t, 256, 16, 4, group_blocks>(thread_m_blocks, p);
-  return launch_m<scalar_t, 128, 8, 4, group_blocks>(thread_m_blocks, p);
+  return launch_tile_of<scalar_t, group_blocks>(c, thread_m_blocks, p,
+                                                std::make_index_sequence<kNumTiles>());
 }
 
 }  // namespace marlin

@@ -92,12 +92,13 @@ from jax_marlin.primitive import marlin_matmul_p
 __all__ = ["matmul", "shard_weight", "weight_specs"]
 
 # Packed tiles (packing.py): 16 weight rows per qweight row; 64 weight columns
-# per chunk of 128 int32 words in qweight and of 64 permuted scales.
+# (the kernel's narrowest n tile) per chunk of 128 int32 words in qweight and
+# of 64 permuted scales.
 _ROWS_PER_QROW = shapes.TILE
-_COLS_PER_CHUNK = 64
+_COLS_PER_CHUNK = shapes.MIN_THREAD_N
 _WORDS_PER_CHUNK = 2 * _COLS_PER_CHUNK
-# Per-column scales: the kernel needs k_local to be a multiple of 64.
-_K_BLOCK_PER_COLUMN = 64
+# Per-column scales: the kernel needs k_local to be a multiple of its k tile.
+_K_BLOCK_PER_COLUMN = shapes.MIN_THREAD_K
 
 
 # --- logical (k, n) specs -> packed specs ----------------------------------------
