@@ -46,6 +46,15 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
     tiles.append(nb::make_tuple(c.thread_k, c.thread_n, c.threads));
   m.attr("TILES") = nb::tuple(tiles);
 
+  m.def(
+      "choose_tile",
+      [](int64_t m, int64_t n, int64_t k) -> nb::object {
+        const marlin::ThreadConfig *c = marlin::choose_config(m, n, k);
+        if (!c) return nb::none();
+        return nb::make_tuple(c->thread_k, c->thread_n, c->threads);
+      },
+      nb::arg("m"), nb::arg("n"), nb::arg("k"),
+      "(thread_k, thread_n, threads) of the tile the launcher runs [m, k] x [k, n] with, or None.");
   m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
         "int32 lock counters the CUDA kernel needs for an [m, n] output.");
   m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),

@@ -1,4 +1,5 @@
-"""jm.matmul on the CPU custom call: against the jnp reference and float64."""
+"""jm.matmul (ops) on the CPU handler: against the jnp reference and float64, padding,
+bias, autodiff, vmap, argument checks."""
 
 from __future__ import annotations
 
@@ -266,41 +267,6 @@ def test_bad_input_raises_at_trace_time(rng, weights, make, error, match):
         jax.jit(jm.matmul).trace(*args)
     with pytest.raises(error, match=match):
         jm.matmul(*args)
-
-
-def test_handler_rechecks_buffers(rng, weights):
-    # Calling the FFI target directly with inconsistent buffers gets an error
-    # from the C++ checks, not a bad memory access.
-    w = weights[(1024, 512, 128)]
-    x = random_x(rng, 4, 1024)
-    no_bias = jnp.zeros((0,), jnp.float16)
-    ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512)
-    assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
-    assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
-
-    def call(*args, y_dtype=jnp.float16, workspace=ws_size, scratch=rs_size, group_size=128):
-        results = (jax.ShapeDtypeStruct((4, 512), y_dtype),
-                   jax.ShapeDtypeStruct((workspace,), jnp.int32),
-                   jax.ShapeDtypeStruct((scratch,), jnp.float32))
-        f = jax.ffi.ffi_call("jax_marlin_matmul", results)
-        return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
-
-    y, _, _ = call(x, w.qweight, w.scales, no_bias)  # the consistent call runs
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
-    cases = [
-        (dict(args=(x, w.qweight, w.scales[:2], no_bias)), "scales must have shape"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros(7, jnp.float16))), "bias must have shape"),
-        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
-        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=ws_size - 1), "workspace holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
-         "reduce_scratch holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size = 96 is not supported"),
-    ]
-    for kwargs, match in cases:
-        with pytest.raises(Exception, match=match):
-            call(*kwargs.pop("args"), **kwargs)
 
 
 def test_each_check_runs_once_per_trace(rng, weights, monkeypatch):
