@@ -157,8 +157,13 @@ def check_against_float64(rng, w, w64, m, *, bias=False):
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("layer", LAYERS, ids=layer_id)
+# Every layer at every m, then every (tile, group size) pair at a few m.
+FLOAT64_CASES = ([(layer, m) for layer in LAYERS for m in MS] +
+                 [(layer, m) for layer in GROUP_LAYERS for m in GROUP_MS])
+
+
+@pytest.mark.parametrize("layer,m", FLOAT64_CASES,
+                         ids=[f"{layer_id(l)}-m{m}" for l, m in FLOAT64_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.gpu
 def test_gpu_matches_float64(rng, dtype, layer, m):
@@ -174,14 +179,6 @@ def test_tile_layers_are_not_padded(dtype):
         w = weight(k, n, g, dtype)
         assert (w.k, w.n) == (k, n)
         assert packed_shape(w) == (k, n), f"quantize padded [{k}, {n}] g{g} to {packed_shape(w)}"
-
-
-@pytest.mark.parametrize("m", GROUP_MS)
-@pytest.mark.parametrize("layer", GROUP_LAYERS, ids=layer_id)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.gpu
-def test_group_sizes_over_tile_configs(rng, dtype, layer, m):
-    check_against_float64(rng, weight(*layer, dtype), weight64(*layer, dtype), m)
 
 
 @pytest.mark.parametrize("m", ODD_MS)
