@@ -10,36 +10,34 @@ Variants (``--impls``, one row each per layer and m), all jitted:
 * ``xla_int4``: ``jnp.int4`` weights cast to float16, times their group-128
   scales, then ``x @ w`` (XLA fuses what it can).
 
-Aliases: ``jax_marlin`` (fp16 g128 and g-1, the rows before the issue-6
-formats) and ``formats`` (every jax_marlin variant, xla_fp16, xla_bf16). The
-records keep ``impl`` (jax_marlin, xla_fp16, xla_bf16, xla_int4), ``dtype`` and
-``group_size`` as before, plus ``variant``.
+Aliases: ``sweep`` (the default: jax_marlin fp16 and bf16 g128, xla_fp16,
+xla_int4: the README's table), ``jax_marlin`` (fp16 g128 and g-1) and
+``formats`` (every jax_marlin variant, xla_fp16, xla_bf16). The records keep
+``impl`` (jax_marlin, xla_fp16, xla_bf16, xla_int4), ``dtype``,
+``group_size`` and ``variant``.
 
 Method: each variant gets ``ROTATE`` distinct weight sets, applied one
 after another inside one jitted call, so weights stream from HBM rather than
 the 60 MB L2; the call is dispatched ``CALLS`` times back to back and the wall
 time (after a block at the end) divided by ``CALLS * ROTATE``; that is the
-device time per matmul once the GPU is saturated. ``--inner N`` applies the
-weight sets to N distinct copies of ``x`` in the same call (N * ROTATE matmuls
-per dispatch), for layers whose matmul is shorter than the host's dispatch of
-a call; jax_marlin rows only: XLA merges dots that share a weight into one dot
-(measured: 70b.qkv at m = 1 "took" 11.9 us, a quarter of one read of the fp16
-weight), so the XLA rows keep one copy. Rows record their ``inner``. Median and
-spread (max - min)
-over ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its
-relative error against ``x @ dequantize(w)`` in float32, unrounded (results up
-to 2026-12-02 compared with that product rounded to float16), so a fast wrong
+device time per matmul once the GPU is saturated. Every call takes ``x
+[m, k]`` as an argument of its own, also at m = 1: never a slice of a stacked
+``[R, m, k]`` array, for which XLA picks a slower dot at m = 1 (134 against
+42 us for the fp16 dot on 8192 x 10240), so the XLA rows get its best
+formulation. ``--inner N`` applies the weight sets to N distinct copies of
+``x`` in the same call (N * ROTATE matmuls per dispatch), for layers whose
+matmul is shorter than the host's dispatch of a call; jax_marlin rows only:
+XLA merges dots that share a weight into one dot, so the XLA rows keep one
+copy. Rows record their ``inner``. Median and spread (max - min) over
+``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its relative
+error against ``x @ dequantize(w)`` in float32, unrounded, so a fast wrong
 kernel cannot report. A device-to-device copy in the same process gives
 ``copy_tbps``.
 
-    python benchmarks/bench_matmul.py --quick          # 3 layers x m in {1, 16, 64}
+    python benchmarks/bench_matmul.py --out sweep.json   # the full sweep: 8 layers x 11 m
+    python benchmarks/bench_matmul.py --quick            # 3 layers x m in {1, 16, 64}
     python benchmarks/bench_matmul.py --quick --impls formats
-    python benchmarks/bench_matmul.py --impls jax_marlin_g128 --out g128.json
-    python benchmarks/bench_matmul.py --out results.json
-
-It also runs against an older jax_marlin (fp16 g128 and g-1 rows only; the
-same script on both sides of a before/after comparison): fp16 weights are
-quantized without the ``dtype`` argument, which older versions do not take.
+    python benchmarks/report.py sweep.json --readme README.md   # tables, plot, README table
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,9 +120,9 @@ VARIANTS = {
     "xla_bf16": ("xla_bf16", "bfloat16", None),
     "xla_int4": ("xla_int4", "float16", 128),
 }
-# Names for several variants: "jax_marlin" keeps its meaning from before the
-# issue-6 formats (fp16, g128 and g-1); "formats" is the issue-6 comparison.
+# Names for several variants: "sweep" is the README's table.
 ALIASES = {
+    "sweep": ["jax_marlin_g128", "jax_marlin_bf16_g128", "xla_fp16", "xla_int4"],
     "jax_marlin": ["jax_marlin_g128", "jax_marlin_g-1"],
     "formats": ["jax_marlin_g128", "jax_marlin_g-1", "jax_marlin_g64", "jax_marlin_g32",
                 "jax_marlin_bf16_g128", "xla_fp16", "xla_bf16"],
@@ -145,9 +144,7 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
         for v in variants:
             impl, dtype, group_size = VARIANTS[v]
             if impl == "jax_marlin":
-                # float16 is the default dtype: kept implicit for older versions.
-                kwargs = {} if dtype == "float16" else dict(dtype=jnp.dtype(dtype))
-                sets[v].append(jm.quantize(w, group_size=group_size, **kwargs))
+                sets[v].append(jm.quantize(w, group_size=group_size, dtype=jnp.dtype(dtype)))
             elif impl == "xla_int4":
                 q, s = jm.unpack(jm.quantize(w, group_size=128, dtype=jnp.float16))
                 sets[v].append(((q - 8).astype(jnp.int4), s))
@@ -222,13 +219,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 layers, m in {1, 16, 64}")
     parser.add_argument("--layers", nargs="*", help="subset of layers")
     parser.add_argument("--ms", nargs="*", type=int, help="subset of m")
-    parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=list(VARIANTS),
+    parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=["sweep"],
                         help="variants to run, or aliases: " + "; ".join(
                             f"{a} = {' '.join(v)}" for a, v in ALIASES.items()))
     parser.add_argument("--inner", type=int, default=1,
                         help="jax_marlin rows: distinct copies of x per call (matmuls per dispatch: "
                              "inner x 8); XLA rows always use 1")
     parser.add_argument("--out", help="results JSON, rewritten after every layer")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the records of --out that this run does not measure again "
+                             "(split a sweep over several runs with --layers)")
     args = parser.parse_args(argv)
 
     if jax.default_backend() != "gpu" or not jm.HAS_CUDA:
@@ -242,9 +242,16 @@ def main(argv=None) -> int:
     result = dict(gpu=device.device_kind, jax=jax.__version__,
                   date=datetime.date.today().isoformat(),
                   method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS, inner=args.inner,
-                              rel_err="against x @ dequantize(w) in float32, unrounded"),
+                              rel_err="against x @ dequantize(w) in float32, unrounded",
+                              x="one [m, k] argument per call, never a slice of a stacked array"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
     print(f"{result['gpu']}  jax {result['jax']}  copy {result['copy_tbps']} TB/s", flush=True)
+    kept = []
+    if args.append and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = json.load(f)["records"]
+    measured = {(name, m, v) for name in layers for m in ms for v in variants}
+    result["records"] = [r for r in kept if (r["layer"], r["m"], r.get("variant")) not in measured]
 
     def log(rec):
         extra = f"{rec['tbps']:6.2f} TB/s  err {rec['rel_err']:.1e}" if rec["tbps"] else ""

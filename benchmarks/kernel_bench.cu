@@ -1,17 +1,16 @@
 // Kernel-only timing of the Marlin launcher, without JAX: for A/B comparisons
-// of kernel builds (compile flags, source variants, the seed) in one device
-// lease, where a pip build per variant would cost minutes. bench_matmul.py
-// times what users call, through JAX; this tool times the launcher alone.
+// of kernel builds (compile flags, source variants) on one GPU machine, where
+// a pip build per variant would cost minutes. bench_matmul.py times what users
+// call, through JAX; this tool times the launcher alone (benchmarks/gpu_run.sh
+// builds and runs it).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/kernel_bench.cu ffi/marlin_kernel.cu \
 //        <the instance objects> -o kernel_bench
-//   ./kernel_bench 64:8192:10240 1:8192:10240 ...     (m:k:n, fp16, group size 128)
+//   ./kernel_bench [--check] [--reps N] [--trials N] 64:8192:10240 1:8192:10240 ...
+//                                                   (m:k:n, fp16, group size 128)
 //
-// Built with -DSEED_API against the seed's launcher (ffi/ of commit 2fc3eba).
-// --check (not with the seed) compares each case's output with one launch of
-// a thread block per output tile (no global reduction) and lists the 16 x 64
-// blocks that differ; --trace (a kernel built with -DMARLIN_TRACE) prints
-// per-role times of the reduction from the kernel's clock64 records.
+// --check compares each case's output with one launch of a thread block per
+// output tile (no global reduction) and lists the 16 x 64 blocks that differ.
 //
 // Method: each call is the launcher's full work (the lock memset and the
 // kernel launches) on one stream, timed with CUDA events over `reps` calls
@@ -30,9 +29,7 @@
 #include <vector>
 
 #include "marlin_kernel.h"
-#ifndef SEED_API
 #include "marlin_launch.h"
-#endif
 
 namespace {
 
@@ -61,26 +58,11 @@ __global__ void fill_half(half *p, size_t n, uint32_t seed, float lo, float hi) 
     p[i] = __float2half(lo + (hi - lo) * (mix(i, seed) & 0xFFFFFF) / float(1 << 24));
 }
 
-// The launcher's API: the seed's has no bias, dtype or fp32 scratch, and
-// sizes its locks by n alone.
-#ifdef SEED_API
-std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
-                int *workspace, float *, cudaStream_t stream) {
-  return marlin::matmul(A, B, s, C, m, n, k, 128, workspace, stream);
-}
-int64_t locks_needed(int64_t, int64_t n) { return marlin::workspace_size(n); }
-int64_t scratch_needed(int64_t, int64_t) { return 1; }
-#else
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
   return marlin::matmul(A, B, s, nullptr, C, m, n, k, 128, false, workspace, scratch, stream);
 }
-int64_t locks_needed(int64_t m, int64_t n) { return marlin::workspace_size(m, n); }
-int64_t scratch_needed(int64_t m, int64_t n) { return marlin::reduce_scratch_size(m, n); }
-#endif
 
-
-#ifndef SEED_API
 // The same product with one thread block per output tile (grid = column
 // tiles x batch blocks): every block runs a whole column of k, so there is no
 // global reduction, and the result is the reference for the reduction of the
@@ -131,49 +113,15 @@ double rel_error(const void *a, const void *b, size_t count, size_t *bad, int n 
   return std::sqrt(num / den);
 }
 
-// Per block role in a slice (from --trace): cycles from the end of the main
-// loop to the end of thread_block_reduce, waiting for the partial sums, the
-// reduction itself.
-void print_trace(const std::vector<long long> &t, int blocks, double ghz) {
-  const char *names[4] = {"alone", "first", "middle", "last"};
-  double wait[4] = {}, work[4] = {}, tbr[4] = {}, maxwait[4] = {};
-  int count[4] = {};
-  long long g0 = t[30], g1 = t[31], longest = 0;
-  for (int b = 0; b < blocks; ++b) {
-    const long long *r = &t[32 * b];
-    g0 = std::min(g0, r[30]);
-    g1 = std::max(g1, r[31]);
-    longest = std::max(longest, r[1] - r[0]);
-    for (int s = 0; s < r[2] && s < 5; ++s) {
-      const long long *e = &r[3 + 5 * s];
-      int c = int(e[4] / 1000), idx = int(e[4] % 1000);
-      int role = c == 1 ? 0 : idx == 0 ? 1 : idx == c - 1 ? 3 : 2;
-      count[role]++;
-      tbr[role] += e[1] - e[0];
-      wait[role] += e[2] - e[1];
-      maxwait[role] = std::max(maxwait[role], double(e[2] - e[1]));
-      work[role] += e[3] - e[2];
-    }
-  }
-  std::printf("  trace: kernel %.2f us (globaltimer), longest block %.2f us at %.2f GHz\n",
-              (g1 - g0) * 1e-3, longest / ghz * 1e-3, ghz);
-  for (int r = 0; r < 4; ++r)
-    if (count[r])
-      std::printf("  trace: %-6s slices %4d: block reduce %.2f us, wait %.2f us (max %.2f), reduction %.2f us\n",
-                  names[r], count[r], tbr[r] / count[r] / ghz * 1e-3, wait[r] / count[r] / ghz * 1e-3,
-                  maxwait[r] / ghz * 1e-3, work[r] / count[r] / ghz * 1e-3);
-}
-#endif
 }  // namespace
 
 int main(int argc, char **argv) {
   int reps = 200, trials = 7;
-  bool check_result = false, trace = false;
+  bool check_result = false;
   std::vector<std::string> cases;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--check") check_result = true;
-    else if (a == "--trace") trace = true;
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (a == "--trials" && i + 1 < argc) trials = std::atoi(argv[++i]);
     else cases.push_back(a);
@@ -202,11 +150,9 @@ int main(int argc, char **argv) {
     check(cudaMalloc(&A, size_t(m) * k * 2), "cudaMalloc A");
     check(cudaMalloc(&C, size_t(m) * n * 2), "cudaMalloc C");
     fill_half<<<1024, 256, 0, stream>>>(static_cast<half *>(A), size_t(m) * k, 5, -1.f, 1.f);
-    // --trace: the kernel's per-block records follow the first 2^20 ints.
-    const size_t trace_ints = 2 * 32 * 1024;
-    check(cudaMalloc(&workspace, (trace ? (1 << 20) + trace_ints : locks_needed(m, n)) * sizeof(int)),
-          "cudaMalloc locks");
-    check(cudaMalloc(&scratch, sizeof(float) * scratch_needed(m, n)), "cudaMalloc scratch");
+    check(cudaMalloc(&workspace, marlin::workspace_size(m, n) * sizeof(int)), "cudaMalloc locks");
+    check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n) * sizeof(float)),
+          "cudaMalloc scratch");
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");
     check(cudaEventCreate(&stop), "cudaEventCreate");
@@ -233,7 +179,6 @@ int main(int argc, char **argv) {
     const float med = us[us.size() / 2];
     std::printf("%6d %6d %6d %10.2f %10.2f %8.3f\n", m, k, n, med, us[0],
                 (b_bytes + s_bytes) / (med * 1e-6) / 1e12);
-#ifndef SEED_API
     if (check_result && (m <= 64 || (m % 64 == 0 && m <= 1024))) {
       void *C_ref;
       check(cudaMalloc(&C_ref, size_t(m) * n * 2), "cudaMalloc C_ref");
@@ -250,20 +195,6 @@ int main(int argc, char **argv) {
                   err < 1e-3 && bad == 0 ? "" : "  FAILED");
       cudaFree(C_ref);
     }
-    if (trace) {
-      int device, sms, khz;
-      cudaGetDevice(&device);
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
-      long long *t = reinterpret_cast<long long *>(workspace + (1 << 20));
-      check(cudaMemsetAsync(t, 0, trace_ints * sizeof(int), stream), "trace memset");
-      call(1);
-      check(cudaStreamSynchronize(stream), "trace");
-      std::vector<long long> host(32 * sms);
-      check(cudaMemcpy(host.data(), t, host.size() * 8, cudaMemcpyDeviceToHost), "trace copy");
-      print_trace(host, sms, khz * 1e-6);
-    }
-#endif
     std::fflush(stdout);
     for (int i = 0; i < copies; ++i) {
       cudaFree(Bs[i]);

@@ -35,8 +35,9 @@ def rel(a, b):
 
 
 print(f"device: {jax.devices()[0].device_kind}  (CUDA kernel built: {jm.HAS_CUDA})")
-print(f"kernel vs jnp reference:        {rel(y, y_ref):.1e}  (same weights: float16 rounding apart at most)")
-print(f"kernel vs unquantized weights:  {rel(y, y_float):.1e}  (4-bit quantization error)")
+print("relative errors ||y - y_other|| / ||y_other||:")
+print(f"  kernel vs jnp reference:        {rel(y, y_ref):.1e}  (same weights: float16 rounding apart at most)")
+print(f"  kernel vs unquantized weights:  {rel(y, y_float):.1e}  (4-bit quantization error)")
 
 # bfloat16 (scales and activations), another group size, a shape that is not
 # a tile multiple (stored padded, logical shape kept) and a fused bias.
@@ -46,7 +47,7 @@ bias = jax.random.normal(key_x, (576,), jnp.bfloat16)
 y_odd = layer(x[:, :1000].astype(jnp.bfloat16), w_odd, bias)  # [m, 576] bfloat16
 y_odd_ref = jm.reference.matmul(x[:, :1000].astype(jnp.bfloat16), w_odd, bias)
 print(f"{w_odd.shape} stored as {w_odd.padded_shape}, {y_odd.dtype} out {y_odd.shape}: "
-      f"kernel vs reference {rel(y_odd, y_odd_ref):.1e}  (same weights: at most bfloat16 rounding, 2^-9 = 2.0e-03, apart)")
+      f"kernel vs reference relative error {rel(y_odd, y_odd_ref):.1e}  (same weights: at most bfloat16 rounding, 2^-9 = 2.0e-03, apart)")
 
 if jax.default_backend() == "gpu":
     w16 = weight.astype(jnp.float16)

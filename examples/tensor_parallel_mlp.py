@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
-from jax_marlin.sharding import shard_weight
+from jax_marlin.partitioning import shard_weight
 
 d, f, m = 1024, 4096, 48  # model width, hidden width, tokens
 
@@ -72,5 +72,5 @@ for line in re.findall(r"= (.+?) all-reduce(?:-start)?\(", hlo):
 y = sharded_mlp(x_dp, up_tp, down_tp)
 print(f"  {'y':13s} {str(y.dtype):8s}{str(list(y.shape)):14s} {str(y.sharding.spec)}")
 a, b = np.asarray(y, np.float64), np.asarray(expected, np.float64)
-print(f"sharded vs unsharded: ||diff|| / ||y|| = {np.linalg.norm(a - b) / np.linalg.norm(b):.1e}"
+print(f"sharded vs unsharded, relative error ||y - y_unsharded|| / ||y_unsharded|| = {np.linalg.norm(a - b) / np.linalg.norm(b):.1e}"
       f"  (float16 partial sums of the row-parallel layer; float16 unit roundoff {2.0**-11:.1e})")

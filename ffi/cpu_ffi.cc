@@ -157,7 +157,7 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
       const float *xr[kRows];
       for (int r = 0; r < kRows; ++r) xr[r] = p.x + (i + std::min(r, rows - 1)) * k;
       // Accumulators as explicit 8-wide vectors (GCC/Clang vector extension):
-      // plain float arrays were kept on the stack by GCC, ~10x slower.
+      // GCC keeps plain float arrays on the stack, which is many times slower.
       Vec8 acc[kRows][kCols / 8] = {};
       for (int64_t kk = 0; kk < k; ++kk) {
         const float *w = strip + kk * kCols;

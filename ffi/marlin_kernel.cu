@@ -70,7 +70,8 @@ std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_b
     case 2: return launch_tile<scalar_t, 2>(c, thread_m_blocks, p);
     case 4: return launch_tile<scalar_t, 4>(c, thread_m_blocks, p);
     case 8: return launch_tile<scalar_t, 8>(c, thread_m_blocks, p);
-    default: return launch_tile<scalar_t, -1>(c, thread_m_blocks, p);
+    case -1: return launch_tile<scalar_t, -1>(c, thread_m_blocks, p);
+    default: return "jax_marlin: no kernel for group_blocks = " + std::to_string(group_blocks);
   }
 }
 

@@ -4,9 +4,10 @@
  * launch; ffi/marlin_instance.cu instantiates it once per (element type,
  * group size), ffi/marlin_kernel.cu holds the launcher that picks one.
  *
- * The kernel is the Marlin kernel of Elias Frantar (Copyright (C) Marlin.2024
- * Elias Frantar), as modified by Neural Magic; see NOTICE at the top of this
- * repository. Changes in this port: no torch, errors returned instead of
+ * The kernel is "upstream Marlin": the Marlin kernel of Elias Frantar
+ * (IST-DASLab/marlin, Copyright (C) Marlin.2024 Elias Frantar), as modified
+ * by Neural Magic; see NOTICE at the top of this repository. Changes in this
+ * port: no torch, errors returned instead of
  * thrown, compile-time checks of every launched configuration, shared memory
  * sized per configuration, the L2 evict-first hint for weights restored, and a
  * launcher that only reaches configurations the kernel can run. Formats added
@@ -38,24 +39,24 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "marlin_launch.h"
 
 // L2 evict-first hint on weight loads (Marlin's cp.async ... L2::cache_hint).
-// Off by default: ptxas 13.0 miscompiles it in 6 of the 32 instantiations
-// (their SASS reads uniform registers it never writes, and the H200 stops with
-// CUDA_ERROR_ILLEGAL_INSTRUCTION at m = 1, k x n = 8192 x 10240; Triton turned
-// off fractional L2 policies on cp.async for the same ptxas bug). Build with
-// -DJAX_MARLIN_B_EVICT_FIRST=1 only with a ptxas known to compile it
-// correctly (benchmarks/NOTES.md: its speed effect is not measured yet).
+// Off by default: ptxas 13.0 miscompiles it in some instantiations (their
+// SASS reads uniform registers it never writes, and the kernel stops with
+// CUDA_ERROR_ILLEGAL_INSTRUCTION; Triton turned off fractional L2 policies on
+// cp.async for the same ptxas bug). Build with -DJAX_MARLIN_B_EVICT_FIRST=1
+// only with a ptxas known to compile it correctly (benchmarks/NOTES.md).
 #ifndef JAX_MARLIN_B_EVICT_FIRST
 #define JAX_MARLIN_B_EVICT_FIRST 0
 #endif
 
-// L2 prefetch size of the global->shared copies. ptxas 13.0 adds Marlin's
-// 128-byte L2 prefetch (SASS LDGSTS...LTC128B) to every copy of the seed
-// kernel but to none of this one's, for the same PTX copies; asking for it in
-// the PTX keeps it. -DJAX_MARLIN_L2_PREFETCH=0 leaves the choice to ptxas.
+// L2 prefetch size of the global->shared copies. ptxas 13.0 adds a 128-byte
+// L2 prefetch (SASS LDGSTS...LTC128B) to every copy of upstream Marlin but to
+// none of this kernel's, for the same PTX copies; asking for it in the PTX
+// keeps it. -DJAX_MARLIN_L2_PREFETCH=0 leaves the choice to ptxas.
 #ifndef JAX_MARLIN_L2_PREFETCH
 #define JAX_MARLIN_L2_PREFETCH 1
 #endif
@@ -71,12 +72,11 @@ __host__ __device__ constexpr int ceildiv(int a, int b) { return (a + b - 1) / b
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // Shared-memory footprint and structural requirements of one kernel
-// configuration, in the kernel's own units (int4 = 16 bytes). The seed
-// launched every configuration with a fixed 96 KiB of dynamic shared memory,
+// configuration, in the kernel's own units (int4 = 16 bytes). Upstream Marlin
+// launches every configuration with a fixed 96 KiB of dynamic shared memory,
 // which thread_m_blocks = 4 with a 128x128 tile overflows (4 stages of 24 KiB
-// of A and B tiles plus the scales): the illegal memory access seen at m = 64
-// with thread_k = 128. Here each instantiation asks for what it uses, and a
-// configuration the kernel cannot run does not compile.
+// of A and B tiles plus the scales). Here each instantiation asks for what it
+// uses, and a configuration the kernel cannot run does not compile.
 template <int threads, int thread_m_blocks, int thread_n_blocks,
           int thread_k_blocks, int stages, int group_blocks>
 struct TileShape {
@@ -117,8 +117,8 @@ struct TileShape {
   static_assert(b_sh_stage % threads == 0, "each thread fetches whole B rows");
   // The register double buffer alternates on k % 2 and the next tile is
   // fetched at sub-tile b_sh_wr_iters - 2: both need an even count >= 2. (A
-  // 128x64 tile on 256 threads gives 1, which the seed accepted as a user
-  // configuration and which never fetches its pipeline.)
+  // 128x64 tile on 256 threads gives 1, which upstream Marlin accepts as a
+  // user configuration and which never fetches its pipeline.)
   static_assert(b_sh_wr_iters >= 2 && b_sh_wr_iters % 2 == 0,
                 "B sub-tiles per stage must be even and >= 2");
   static_assert(k_warps * b_sh_wr_iters == thread_k_blocks,
@@ -192,10 +192,9 @@ __device__ inline void cp_async4_pred(void *smem_ptr, const void *glob_ptr,
 // Asynchronous global->shared copy with a cache hint indicating that the values
 // may be evicted immediately; used for quantized weights B, which are only
 // accessed precisely once and should thus not pollute the L2 cache which we
-// need for inputs A and outputs C. (The seed this port starts from had dropped
-// the hint; see JAX_MARLIN_B_EVICT_FIRST above for why it is still off by
-// default. `policy` comes from `make_evict_first_policy`, created once per
-// thread rather than once per copy.)
+// need for inputs A and outputs C. (See JAX_MARLIN_B_EVICT_FIRST above for why
+// it is off by default. `policy` comes from `make_evict_first_policy`, created
+// once per thread rather than once per copy.)
 #if JAX_MARLIN_B_EVICT_FIRST
 __device__ inline uint64_t make_evict_first_policy() {
   uint64_t policy;
@@ -376,44 +375,6 @@ __device__ inline void barrier_release(int *lock, bool reset = false) {
   }
 }
 
-#ifdef MARLIN_TRACE
-__device__ inline long long globaltimer_ns() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// 32 int64 per block after the first 2^20 ints of the locks (kernel_bench
-// --trace allocates them): [0] start clock, [1] end clock, [2] slices,
-// [30] start globaltimer, [31] end; slice s < 5 at 3 + 5 s: loop end, after
-// thread_block_reduce, reduction data ready, reduction done, 1000 c + idx.
-#define MARLIN_TRACE_DECL                                                          \
-  long long *trace_ = reinterpret_cast<long long *>(locks + (1 << 20)) + 32 * blockIdx.x; \
-  int trace_s_ = 0;                                                                \
-  long long trace_t_[4] = {0, 0, 0, 0};                                            \
-  if (threadIdx.x == 0) {                                                          \
-    trace_[0] = clock64();                                                         \
-    trace_[30] = globaltimer_ns();                                                 \
-  }
-#define MARLIN_TRACE_AT(i) (trace_t_[i] = clock64())
-#define MARLIN_TRACE_SLICE(c, idx)                                                 \
-  if (threadIdx.x == 0 && trace_s_ < 5) {                                          \
-    for (int q = 0; q < 4; q++) trace_[3 + 5 * trace_s_ + q] = trace_t_[q];        \
-    trace_[7 + 5 * trace_s_] = 1000 * (c) + (idx);                                 \
-    trace_s_++;                                                                    \
-  }
-#define MARLIN_TRACE_END()                                                         \
-  if (threadIdx.x == 0) {                                                          \
-    trace_[1] = clock64();                                                         \
-    trace_[2] = trace_s_;                                                          \
-    trace_[31] = globaltimer_ns();                                                 \
-  }
-#else
-#define MARLIN_TRACE_DECL
-#define MARLIN_TRACE_AT(i) ((void)0)
-#define MARLIN_TRACE_SLICE(c, idx) ((void)0)
-#define MARLIN_TRACE_END() ((void)0)
-#endif
-
 template <typename scalar_t,        // half or nv_bfloat16: A, C, s and bias
           const int threads,         // number of threads in a threadblock
           const int thread_m_blocks, // number of 16x16 blocks in the m
@@ -458,7 +419,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   static_assert(Shape::shared_bytes > 0, "");
   using Scalar = ScalarType<scalar_t>;
   using T2 = typename Scalar::T2;
-  MARLIN_TRACE_DECL
   // fp32 scratch of one output tile in the global reduction.
   constexpr int c_tile = 16 * thread_m_blocks * 16 * thread_n_blocks;
 
@@ -691,14 +651,13 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
         B_ptr[i] += b_gl_rd_delta_o;
       }
       // Every stage gets its own copy of its group's scales, fetched with
-      // the tile. The seed fetched them once per group, into the stage of the
-      // group's first tile, and read them there for all its tiles: with
-      // groups of two tiles (g128, 64-deep tiles), the fetch of the group
-      // after next (issued in the group's second tile) overwrote the scales
-      // that slower warps were still reading: their last k16 sub-tiles of the
-      // group got the wrong group's scales (one warp's 64 columns off by a
-      // few %; with the slot reduction's timing in 20 of 60 checked runs,
-      // compute-sanitizer --tool racecheck reports it either way).
+      // the tile. Fetching them once per group, into the stage of the
+      // group's first tile, and reading them there for all its tiles (as
+      // upstream Marlin does) is a race with groups of two tiles (g128,
+      // 64-deep tiles): the fetch of the group after next, issued in the
+      // group's second tile, overwrites the scales that slower warps are
+      // still reading, and their last k16 sub-tiles get the wrong group's
+      // scales (compute-sanitizer --tool racecheck reports it).
       if (group_blocks != -1) {
         int4 *sh_s_stage = sh_s + s_sh_stage * pipe;
         if (s_sh_wr_pred)
@@ -784,9 +743,9 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     if (red_off >= 1) {
       // The buffers below overlap the pipeline's A stages, which slower warps
       // may still be reading: the main loop's last step prefetches the next
-      // stage's first sub-tile (unused at a slice's end, so the seed's
-      // missing barrier here did no harm, but it is a race all the same, and
-      // compute-sanitizer's racecheck reports it).
+      // stage's first sub-tile (unused at a slice's end, but a race all the
+      // same, which compute-sanitizer's racecheck reports without this
+      // barrier).
       __syncthreads();
       int red_idx = threadIdx.x / b_sh_stride;
       constexpr int red_sh_stride = b_sh_stride * 4 * 2;
@@ -842,9 +801,8 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // finally have to globally reduce over the results. As the striped
   // partitioning minimizes the number of such reductions and our outputs are
   // usually rather small, we perform this reduction serially in L2 cache.
-  // The seed reduced in the fp16 output buffer, rounding every partial sum
-  // (5e-3 relative error at k = 8192, m = 1024); here the partial sums stay
-  // fp32, in a scratch tile per (batch block, column slice) laid out in the
+  // Upstream Marlin reduces in the fp16 output buffer, rounding every
+  // partial sum; here the partial sums stay fp32, in a scratch tile per (batch block, column slice) laid out in the
   // threads' own fragment order: thread t's float4 number f sits at
   // f * active_threads + t, so every access is one coalesced 16-byte load or
   // store and no reordering is needed.
@@ -867,12 +825,11 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       if (16 * i >= prob_m) break;
       int *lock = &locks[thread_m_blocks * slice_col_par + i];
       barrier_acquire(lock, slice_idx);
-      if (i == 0) MARLIN_TRACE_AT(2);
       // After thread_block_reduce the first active_threads threads hold the
       // tile's sums. The row block's 8 float4s per thread are loaded
-      // together (plain L2 loads, in program order after the acquire; a
-      // version that staged them through shared memory with cp.async read
-      // stale sums now and then on the H200), then added and stored.
+      // together (plain L2 loads, in program order after the acquire; staged
+      // through shared memory with cp.async they read stale sums now and
+      // then), then added and stored.
       if (threadIdx.x < active_threads) {
         float4 *slot = &c_tmp[8 * i * active_threads + threadIdx.x];
         if (!first) {
@@ -897,7 +854,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   };
 
   // The slot reduction, for tiles of 32 rows or more (a chain's handoffs cost
-  // a few L2 round trips each, and at m >= 32 they add up to 7-15 us). Only
+  // a few L2 round trips each, which add up over the row blocks of a tile). Only
   // the stripe that starts a column (its top: slice_idx == slice_count - 1)
   // writes the result. Every other stripe meets the column with its first
   // piece (a stripe's later pieces all start at a column's top), so block b
@@ -938,7 +895,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       *counter = 0;  // for the next launch
     }
     __syncthreads();
-    MARLIN_TRACE_AT(2);
     if (threadIdx.x < active_threads) {
       float4 *stage = reinterpret_cast<float4 *>(sh) + threadIdx.x;
       for (int b = 1; b < slice_count; b += fit) {
@@ -1057,8 +1013,8 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // Start global fetch and register load pipelines.
   auto start_pipes = [&]() {
     // The fetches below overwrite shared memory that write_result of the
-    // previous slice may still be reading in slower warps (a race in the
-    // seed, for stripes that span more than one column slice).
+    // previous slice may still be reading in slower warps (for stripes that
+    // span more than one column slice).
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < stages - 1; i++)
@@ -1098,7 +1054,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     // While this pattern may not be the most readable, other ways of writing
     // the loop seemed to noticeably worse performance after compilation.
     if (slice_iters == 0) {
-      MARLIN_TRACE_AT(0);
       cp_async_wait<0>();
       bool last = slice_idx == slice_count - 1;
       // For per-column scales, we only fetch them here in the final step before
@@ -1117,8 +1072,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
           reinterpret_cast<int4 *>(&frag_s)[1] = sh_s[s_sh_rd + 4];
         }
       }
-      MARLIN_TRACE_AT(1);
-      MARLIN_TRACE_AT(2);  // moved on by the reductions once their data is there
       int *pending_count = &locks[slice_col_par];
       bool pending = false;
       if (slice_count > 1) { // only globally reduce if there is more than one
@@ -1128,10 +1081,8 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
         else
           global_reduce(slice_idx == 0, last);
       }
-      MARLIN_TRACE_AT(3);
       if (last) // only the last block in a slice actually writes the result
         write_result();
-      MARLIN_TRACE_SLICE(slice_count, slice_idx);
       slice_row = 0;
       slice_col_par++;
       slice_col++;
@@ -1160,7 +1111,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       }
     }
   }
-  MARLIN_TRACE_END();
 }
 
 #else
@@ -1177,7 +1127,7 @@ __global__ void Marlin(const int4 *__restrict__ A, const int4 *__restrict__ B,
 
 #endif
 
-constexpr int kStages = 4;  // 4 pipeline stages: the seed's tuned depth
+constexpr int kStages = 4;  // 4 pipeline stages: upstream Marlin's tuned depth
 
 // One kernel instantiation: raise its dynamic shared memory limit once per
 // device (not on every call), then launch.
@@ -1212,20 +1162,31 @@ std::string launch_m(int thread_m_blocks, const LaunchArgs &p) {
     case 1: return launch<scalar_t, threads, 1, thread_n_blocks, thread_k_blocks, group_blocks>(p);
     case 2: return launch<scalar_t, threads, 2, thread_n_blocks, thread_k_blocks, group_blocks>(p);
     case 3: return launch<scalar_t, threads, 3, thread_n_blocks, thread_k_blocks, group_blocks>(p);
-    default: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks>(p);
+    case 4: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks>(p);
+    default: return "jax_marlin: no kernel for thread_m_blocks = " + std::to_string(thread_m_blocks);
   }
 }
 
-// The four tiles of marlin_problem.h's tables, as (threads, n blocks, k blocks).
+// The tile of marlin_problem.h's kTiles equal to `c`, instantiated for each
+// entry of the table in order (and for nothing else).
+template <typename scalar_t, int group_blocks, size_t... tile>
+std::string launch_tile_of(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p,
+                           std::index_sequence<tile...>) {
+  std::string why = "jax_marlin: no kernel for the tile (thread_k, thread_n, threads) = (" +
+                    std::to_string(c.thread_k) + ", " + std::to_string(c.thread_n) + ", " +
+                    std::to_string(c.threads) + ")";
+  ((c == kTiles[tile] &&
+    (why = launch_m<scalar_t, kTiles[tile].threads, kTiles[tile].thread_n / 16,
+                    kTiles[tile].thread_k / 16, group_blocks>(thread_m_blocks, p),
+     true)) ||
+   ...);
+  return why;
+}
+
 template <typename scalar_t, int group_blocks>
 std::string launch_tile(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p) {
-  if (c.thread_k == 128 && c.thread_n == 128 && c.threads == 256)
-    return launch_m<scalar_t, 256, 8, 8, group_blocks>(thread_m_blocks, p);
-  if (c.thread_k == 128 && c.thread_n == 64 && c.threads == 128)
-    return launch_m<scalar_t, 128, 4, 8, group_blocks>(thread_m_blocks, p);
-  if (c.thread_k == 64 && c.thread_n == 256 && c.threads == 256)
-    return launch_m<scalar_t, 256, 16, 4, group_blocks>(thread_m_blocks, p);
-  return launch_m<scalar_t, 128, 8, 4, group_blocks>(thread_m_blocks, p);
+  return launch_tile_of<scalar_t, group_blocks>(c, thread_m_blocks, p,
+                                                std::make_index_sequence<kNumTiles>());
 }
 
 }  // namespace marlin

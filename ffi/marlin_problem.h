@@ -1,6 +1,7 @@
-// Which problems the Marlin kernel can run, in plain C++ (no CUDA, no XLA), so
-// that the CUDA launcher, both FFI handlers and their tests agree on one
-// contract. jax_marlin/shapes.py states the same rules at trace time.
+// Which problems the Marlin kernel can run, in plain C++ (no CUDA, no XLA):
+// the one statement of the kernel's rules. The CUDA launcher, both FFI
+// handlers and, through the nanobind module (module.cc), the Python side at
+// trace time all read them from here.
 #pragma once
 
 #include <cstdint>
@@ -8,11 +9,59 @@
 
 namespace marlin {
 
-constexpr int kTile = 16;        // the kernel works on 16x16 weight tiles
-constexpr int kMinThreadN = 64;  // narrowest n tile
-constexpr int kMaxThreadN = 256; // widest n tile
-constexpr int kMinThreadK = 64;  // shallowest k tile
-constexpr int kMaxPar = 16;      // batch blocks of 64 rows run in one launch
+constexpr int kTile = 16;         // the kernel works on 16x16 weight tiles
+constexpr int kMinThreadN = 64;   // narrowest n tile
+constexpr int kMaxThreadN = 256;  // widest n tile
+constexpr int kMinThreadK = 64;   // shallowest k tile
+constexpr int kMaxPar = 16;       // batch blocks of 64 rows run in one launch
+constexpr int kMaxBlocks = 256;   // thread blocks a launch runs at most (one per SM)
+
+// Group sizes the kernel is instantiated for: rows of k that share one scale,
+// or -1 for one scale per output column.
+constexpr int kGroupSizes[] = {-1, 32, 64, 128};
+
+inline bool is_group_size(int64_t g) {
+  for (int size : kGroupSizes)
+    if (g == size) return true;
+  return false;
+}
+
+struct ThreadConfig {
+  int thread_k;
+  int thread_n;
+  int threads;
+};
+
+constexpr bool operator==(const ThreadConfig &a, const ThreadConfig &b) {
+  return a.thread_k == b.thread_k && a.thread_n == b.thread_n && a.threads == b.threads;
+}
+
+// Every tile the kernel is instantiated for (launch_tile in marlin_kernel.cuh
+// compiles exactly these, for thread_m_blocks 1..4 and every group size).
+// Nothing else reaches the kernel: there are no user-supplied configurations.
+constexpr ThreadConfig kTiles[] = {
+    {128, 128, 256},
+    {128, 64, 128},
+    {64, 256, 256},
+    {64, 128, 128},
+};
+constexpr int kNumTiles = sizeof(kTiles) / sizeof(kTiles[0]);
+
+// The order in which the launcher tries the tiles (indices into kTiles): for
+// up to 16 rows deep k tiles first, then narrower n; for more rows the wide
+// 64x256 tile first, which reuses each loaded A tile across more columns.
+constexpr int kSmallBatchOrder[kNumTiles] = {0, 1, 2, 3};
+constexpr int kLargeBatchOrder[kNumTiles] = {2, 0, 3, 1};
+
+// The first tile in this batch size's order that divides (k, n), or null.
+inline const ThreadConfig *choose_config(int64_t m, int64_t n, int64_t k) {
+  const int *order = m <= 16 ? kSmallBatchOrder : kLargeBatchOrder;
+  for (int i = 0; i < kNumTiles; ++i) {
+    const ThreadConfig &c = kTiles[order[i]];
+    if (k % c.thread_k == 0 && n % c.thread_n == 0) return &c;
+  }
+  return nullptr;
+}
 
 // int32 lock counters the kernel needs for an [m, n] output: one per (16-row
 // block, 64-column slice) of its largest launch (at most kMaxPar blocks of 64
@@ -21,9 +70,6 @@ inline int64_t workspace_size(int64_t m, int64_t n) {
   const int64_t row_blocks = (m + kTile - 1) / kTile;
   return n / kMinThreadN * (row_blocks < 4 * kMaxPar ? row_blocks : 4 * kMaxPar);
 }
-
-// Thread blocks a launch runs at most (one per SM; an H200 has 132).
-constexpr int kMaxBlocks = 256;
 
 // fp32 partial sums that thread blocks sharing an output tile hand to each
 // other (the global reduction), for m rows of x: launches of 16-row tiles
@@ -37,60 +83,80 @@ inline int64_t reduce_scratch_size(int64_t m, int64_t n) {
   return slots > kTile * n ? slots : kTile * n;
 }
 
-// Group sizes the kernel is instantiated for: rows of k that share one scale,
-// or -1 for one scale per output column.
-inline bool is_group_size(int64_t g) { return g == -1 || g == 32 || g == 64 || g == 128; }
+inline std::string group_size_error(int64_t group_size) {
+  return "group_size = " + std::to_string(group_size) +
+         " is not supported; the kernel takes group_size 32, 64 or 128 (one scale per that "
+         "many rows of k) or -1 (one scale per column)";
+}
 
-struct ThreadConfig {
-  int thread_k;
-  int thread_n;
-  int threads;
-};
-
-// The seed's tile tables, ordered by priority. The launcher instantiates every
-// entry (for thread_m_blocks 1..4 and both scale layouts) and nothing else
-// reaches the kernel: there are no user-supplied thread configurations.
-constexpr ThreadConfig kSmallBatchConfigs[] = {
-    {128, 128, 256},  // default
-    {128, 64, 128},   // reduce n 2x, same k
-    {64, 256, 256},   // reduce k 2x, increase n 2x
-    {64, 128, 128},   // reduce k 2x, same n
-};
-constexpr ThreadConfig kLargeBatchConfigs[] = {
-    {64, 256, 256},   // default
-    {128, 128, 256},  // reduce n 2x, increase k 2x
-    {64, 128, 128},   // reduce n 2x, same k
-    {128, 64, 128},   // reduce n 4x, increase k 2x
-};
-
-// The first tile in the table for this batch size that divides (k, n), or null.
-inline const ThreadConfig *choose_config(int64_t m, int64_t n, int64_t k) {
-  const ThreadConfig *table = m <= 16 ? kSmallBatchConfigs : kLargeBatchConfigs;
-  for (int i = 0; i < 4; ++i)
-    if (k % table[i].thread_k == 0 && n % table[i].thread_n == 0) return &table[i];
-  return nullptr;
+// Empty if the kernel runs a [k, n] weight as it is (k, n: the padded sizes
+// it sees) with this group size, otherwise why not, naming the dimension.
+inline std::string check_layer(int64_t k, int64_t n, int64_t group_size) {
+  auto s = [](int64_t v) { return std::to_string(v); };
+  const std::string shape = "[k, n] = [" + s(k) + ", " + s(n) + "]";
+  if (!is_group_size(group_size)) return group_size_error(group_size);
+  if (k <= 0 || n <= 0) return "weight shape " + shape + " must be positive";
+  if (k % kMinThreadK != 0)
+    return "k = " + s(k) + " (weight.shape[0], the input features) must be a multiple of " +
+           s(kMinThreadK);
+  if (n % kMinThreadN != 0)
+    return "n = " + s(n) + " (weight.shape[1], the output features) must be a multiple of " +
+           s(kMinThreadN);
+  if (group_size != -1 && k % group_size != 0)
+    return "k = " + s(k) + " must be a multiple of group_size = " + s(group_size);
+  if (!choose_config(0, n, k))
+    return "k = " + s(k) + " and n = " + s(n) +
+           ": one of them must be a multiple of 128 (no kernel tile fits; the tiles are 128 "
+           "deep or 128 wide)";
+  // Offsets inside the kernel are 32-bit int4 (8 x fp16) indices.
+  if (k * n / 8 >= (int64_t(1) << 31))
+    return "weight " + shape + " is too large for the kernel's 32-bit offsets";
+  return {};
 }
 
 // Empty if the kernel can run [m, k] x [k, n] with this group size, otherwise
 // why not.
 inline std::string check_problem(int64_t m, int64_t n, int64_t k, int64_t group_size) {
-  auto s = [](int64_t v) { return std::to_string(v); };
-  if (!is_group_size(group_size))
-    return "group_size must be -1, 32, 64 or 128, got " + s(group_size);
-  if (k <= 0 || n <= 0 || m < 0)
-    return "sizes must be positive (m = " + s(m) + ", k = " + s(k) + ", n = " + s(n) + ")";
-  if (k % kMinThreadK != 0) return "k = " + s(k) + " must be a multiple of 64";
-  if (n % kMinThreadN != 0) return "n = " + s(n) + " must be a multiple of 64";
-  if (group_size != -1 && k % group_size != 0)
-    return "k = " + s(k) + " must be a multiple of group_size = " + s(group_size);
-  if (!choose_config(m, n, k))
-    return "no kernel tile fits k = " + s(k) + ", n = " + s(n) +
-           ": k or n must be a multiple of 128";
-  // Offsets inside the kernel are 32-bit int4 (8 x fp16) indices.
-  const int64_t limit = int64_t(1) << 31;
-  if (k * n / 8 >= limit || m * k / 8 >= limit || m * n / 8 >= limit)
-    return "problem too large for the kernel's 32-bit offsets";
+  if (std::string why = check_layer(k, n, group_size); !why.empty()) return why;
+  if (m < 0) return "m = " + std::to_string(m) + " rows of x must not be negative";
+  if (m * (k > n ? k : n) / 8 >= (int64_t(1) << 31))
+    return "m = " + std::to_string(m) + " rows of x are too many for the kernel's 32-bit " +
+           "offsets at k = " + std::to_string(k) + ", n = " + std::to_string(n) +
+           "; split the batch";
   return {};
+}
+
+// The smallest [k_pad, n_pad] >= [k, n] the kernel runs with this group size,
+// or an error (a group size the kernel does not take, sizes that are not
+// positive, a padded weight too large). k rounds up to the k tile and the
+// group, n to the n tile; when no tile fits both, the one whose rounding up
+// adds fewer weight elements grows by its smallest tile (n on a tie, which
+// keeps x as it is). A shape the kernel runs as it is stays unchanged.
+struct PaddedShape {
+  int64_t k, n;
+  std::string error;
+};
+
+inline PaddedShape padded_shape(int64_t k, int64_t n, int64_t group_size) {
+  if (!is_group_size(group_size)) return {k, n, group_size_error(group_size)};
+  if (k <= 0 || n <= 0)
+    return {k, n,
+            "weight shape [k, n] = [" + std::to_string(k) + ", " + std::to_string(n) +
+                "] must be positive"};
+  auto round_up = [](int64_t v, int64_t multiple) { return (v + multiple - 1) / multiple * multiple; };
+  // Group sizes are powers of two, so the larger of the two is their lcm.
+  const int64_t k_multiple = group_size > kMinThreadK ? group_size : kMinThreadK;
+  PaddedShape p{round_up(k, k_multiple), round_up(n, kMinThreadN), {}};
+  if (!choose_config(0, p.n, p.k)) {
+    // Growing k by its smallest tile adds k_multiple * n elements, growing n
+    // adds kMinThreadN * k.
+    if (k_multiple * p.n < kMinThreadN * p.k)
+      p.k += k_multiple;
+    else
+      p.n += kMinThreadN;
+  }
+  p.error = check_layer(p.k, p.n, group_size);
+  return p;
 }
 
 }  // namespace marlin

@@ -1,8 +1,17 @@
-// nanobind module exporting the FFI handler capsules; jax_marlin/_ffi.py
-// registers them with jax.ffi.register_ffi_target. Built twice: as
-// _marlin_cpu (always) and as _marlin_cuda (when CUDA is available).
+// nanobind module of jax_marlin, built twice: as _marlin_cpu (always) and as
+// _marlin_cuda (when CUDA is available). It exports the FFI handler capsules
+// (jax_marlin/_ffi.py registers them), the XLA FFI API version they were
+// built with, and the kernel's rules from marlin_problem.h, which the Python
+// side checks at trace time.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "marlin_problem.h"
 #include "xla/ffi/api/api.h"
 
 namespace nb = nanobind;
@@ -23,4 +32,47 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
     targets["jax_marlin_matmul"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
     return targets;
   });
+  m.def("ffi_api_version", []() { return std::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "(major, minor) of the XLA FFI headers the handlers were built with.");
+
+  m.attr("TILE") = marlin::kTile;
+  m.attr("MIN_THREAD_K") = marlin::kMinThreadK;
+  m.attr("MIN_THREAD_N") = marlin::kMinThreadN;
+  nb::list group_sizes;
+  for (int g : marlin::kGroupSizes) group_sizes.append(g);
+  m.attr("GROUP_SIZES") = nb::tuple(group_sizes);
+  nb::list tiles;
+  for (const marlin::ThreadConfig &c : marlin::kTiles)
+    tiles.append(nb::make_tuple(c.thread_k, c.thread_n, c.threads));
+  m.attr("TILES") = nb::tuple(tiles);
+
+  m.def(
+      "choose_tile",
+      [](int64_t m, int64_t n, int64_t k) -> nb::object {
+        const marlin::ThreadConfig *c = marlin::choose_config(m, n, k);
+        if (!c) return nb::none();
+        return nb::make_tuple(c->thread_k, c->thread_n, c->threads);
+      },
+      nb::arg("m"), nb::arg("n"), nb::arg("k"),
+      "(thread_k, thread_n, threads) of the tile the launcher runs [m, k] x [k, n] with, or None.");
+  m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
+        "int32 lock counters the CUDA kernel needs for an [m, n] output.");
+  m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),
+        "float32 partial sums the CUDA kernel hands between thread blocks for [m, n].");
+  m.def(
+      "check_group_size",
+      [](int64_t g) { return marlin::is_group_size(g) ? std::string() : marlin::group_size_error(g); },
+      nb::arg("group_size"), "'' if the kernel takes this group size, else why not.");
+  m.def("check_layer", &marlin::check_layer, nb::arg("k"), nb::arg("n"), nb::arg("group_size"),
+        "'' if the kernel runs a [k, n] weight as it is, else why not.");
+  m.def("check_problem", &marlin::check_problem, nb::arg("m"), nb::arg("n"), nb::arg("k"),
+        nb::arg("group_size"), "'' if the kernel runs [m, k] x [k, n], else why not.");
+  m.def(
+      "padded_shape",
+      [](int64_t k, int64_t n, int64_t group_size) {
+        marlin::PaddedShape p = marlin::padded_shape(k, n, group_size);
+        return std::make_tuple(p.k, p.n, p.error);
+      },
+      nb::arg("k"), nb::arg("n"), nb::arg("group_size"),
+      "(k_pad, n_pad, error): the smallest shape >= [k, n] the kernel runs; error '' if valid.");
 }

@@ -7,10 +7,10 @@
 
 from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
+from jax_marlin.ops import matmul
 from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
-from jax_marlin.primitive import matmul
+from jax_marlin.partitioning import shard_weight, weight_specs
 from jax_marlin.shapes import GROUP_SIZES, padded_shape
-from jax_marlin.sharding import shard_weight, weight_specs
 
 __version__ = "0.1.0"
 

@@ -1,10 +1,20 @@
 """Loads the compiled extension modules and registers their XLA FFI targets.
 
-The CPU target is always there. The CUDA target exists when the package was
-built with CUDA (``JAX_MARLIN_CUDA=AUTO`` finding nvcc, or ``ON``).
+The CPU module is always there; it also carries the kernel's rules
+(``shapes`` reads them). The CUDA module exists when the package was built
+with CUDA (``JAX_MARLIN_CUDA=AUTO`` finding nvcc, or ``ON``).
+
+Before anything is registered, the XLA FFI API version the handlers were
+built with is compared with the running jaxlib's: a runtime older than the
+build refuses the handlers, and XLA's own error names neither jax_marlin nor
+the fix.
 """
 
 from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
 
 import jax
 
@@ -20,6 +30,56 @@ MATMUL_TARGET = "jax_marlin_matmul"
 
 #: Whether this build has the CUDA kernel.
 HAS_CUDA = _marlin_cuda is not None
+
+#: The C++ module the Python side reads the kernel's rules from (both modules
+#: export the same ones).
+rules = _marlin_cpu
+
+
+def runtime_ffi_api_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the running jaxlib's XLA FFI API, or None if unknown.
+
+    Read from the FFI headers the installed jaxlib ships
+    (``jax.ffi.include_dir()``), which are the ones it was built with.
+    """
+    header = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    try:
+        with open(header) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
+    if not all(found):
+        return None
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def check_ffi_api_version(built: tuple[int, int], runtime: tuple[int, int] | None) -> None:
+    """Raises ``ImportError`` if a runtime with FFI API ``runtime`` refuses handlers built with ``built``.
+
+    A runtime takes handlers of its own major version and of its minor
+    version or an older one.
+    """
+    if runtime is None or (built[0] == runtime[0] and built[1] <= runtime[1]):
+        return
+    raise ImportError(
+        f"jax_marlin was built against XLA FFI API {built[0]}.{built[1]}, but the installed "
+        f"jaxlib {_jaxlib_version()} provides FFI API {runtime[0]}.{runtime[1]}, which "
+        f"refuses it. Rebuild jax_marlin against the installed jax: pip install "
+        f"--no-build-isolation --force-reinstall --no-deps <jax-marlin source> (README.md, "
+        f"'Building'), or upgrade jax and jaxlib to the version it was built with.")
+
+
+for _module in (_marlin_cpu, _marlin_cuda):
+    if _module is not None:
+        check_ffi_api_version(tuple(_module.ffi_api_version()), runtime_ffi_api_version())
 
 for _name, _capsule in _marlin_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")

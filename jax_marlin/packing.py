@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_marlin import shapes
+from jax_marlin._compat import Tracer
 
 __all__ = ["MarlinWeight", "quantize", "pack", "unpack", "dequantize"]
 
@@ -128,7 +130,7 @@ def _describe(a) -> str:
 
 
 def _is_concrete(a) -> bool:
-    return not isinstance(a, jax.core.Tracer)
+    return not isinstance(a, Tracer)
 
 
 def _group_rows(k: int, group_size: int) -> int:
@@ -303,22 +305,61 @@ def quantize(weight, group_size: int = 128, dtype=None) -> MarlinWeight:
     dtype = _scale_dtype(dtype, w.dtype)
     if _is_concrete(w) and not bool(jnp.isfinite(w).all()):
         raise ValueError("weight contains inf or NaN")
-    qweight, scales = _quantize(w, k_pad, n_pad, group_size, dtype)
+    qweight, scales, range_ = _quantize(w, k_pad, n_pad, group_size, dtype)
+    if _is_concrete(w):
+        _check_scale_range(*(float(v) for v in range_), dtype=dtype, group_size=group_size)
     return MarlinWeight(qweight, scales, k=k, n=n, group_size=group_size)
+
+
+# Largest magnitude a group maps to: q - 8 in -8..7, the scale max|w| / 7.5.
+_STEPS = (_MAXQ + 1) / 2 - 0.5
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _quantize(w, k_pad, n_pad, group_size, dtype):
+    """Packed ``(qweight, scales)`` and the range of the groups' ``max|w|``:
+    ``(largest, smallest nonzero, groups whose nonzero scale rounds to 0)``."""
     k, n = w.shape
     g = _group_rows(k_pad, group_size)
     w = jnp.pad(w.astype(jnp.float32), ((0, k_pad - k), (0, n_pad - n)))
     w = w.reshape(k_pad // g, g, n_pad)
     absmax = jnp.max(jnp.abs(w), axis=1)
-    scales = jnp.minimum(absmax / ((_MAXQ + 1) / 2 - 0.5), jnp.finfo(dtype).max).astype(dtype)
+    scales = jnp.minimum(absmax / _STEPS, jnp.finfo(dtype).max).astype(dtype)
     s = scales.astype(jnp.float32)
     s = jnp.where(s == 0, 1.0, s)[:, None, :]  # all-zero group: any scale, q = 8
     q = jnp.clip(jnp.round(w / s) + _ZERO_POINT, 0, _MAXQ).astype(jnp.uint8)
-    return _pack_nibbles(q.reshape(k_pad, n_pad)), _permute_scales(scales, group_size)
+    nonzero = absmax > 0
+    range_ = (jnp.max(absmax), jnp.min(jnp.where(nonzero, absmax, jnp.inf)),
+              jnp.sum(nonzero & (scales == 0)))
+    return _pack_nibbles(q.reshape(k_pad, n_pad)), _permute_scales(scales, group_size), range_
+
+
+def _check_scale_range(largest: float, smallest: float, zeroed: float, *, dtype,
+                       group_size: int) -> None:
+    """Raises (or warns) where the scales' dtype cannot hold a group's scale ``max|w| / 7.5``.
+
+    Too large a scale is clipped to the dtype's maximum, and the group's large
+    weights with it: the results are wrong, so that raises. A nonzero group
+    whose scale rounds to 0 becomes all zeros: raises when that is every
+    nonzero group (the layer would multiply to zero), warns when it is some.
+    """
+    info = np.finfo(dtype)
+    where = (f"the weight's groups (group_size = {group_size}) have max|w| from "
+             f"{smallest:.3g} to {largest:.3g}")
+    fix = ("quantize with dtype=jnp.bfloat16 (float32's range), or rescale the weight")
+    if largest / _STEPS > float(info.max):
+        raise ValueError(f"{where}: a scale max|w| / 7.5 above {float(info.max):.6g} overflows "
+                         f"{info.dtype.name} (max|w| up to {_STEPS * float(info.max):.4g} fits); "
+                         f"{fix}")
+    if zeroed and smallest / _STEPS < float(info.smallest_subnormal):
+        fits = f"max|w| >= {_STEPS * float(info.smallest_subnormal):.3g}"
+        if largest / _STEPS < float(info.smallest_subnormal):
+            raise ValueError(f"{where}: every scale max|w| / 7.5 underflows to 0 in "
+                             f"{info.dtype.name} ({fits} needed), so the layer would "
+                             f"multiply to zero; {fix}")
+        warnings.warn(f"jm.quantize: {int(zeroed)} groups of {where} have scales that underflow "
+                      f"to 0 in {info.dtype.name} ({fits} needed) and are stored as zeros; "
+                      f"{fix}", stacklevel=3)
 
 
 def dequantize(w: MarlinWeight, dtype=None) -> jax.Array:
@@ -347,7 +388,8 @@ def _check_weight(w) -> None:
     """Raises unless ``w`` is a consistent :class:`MarlinWeight` the kernel runs."""
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"expected a jax_marlin.MarlinWeight, got {type(w).__name__}")
-    shapes.padded_shape(w.k, w.n, w.group_size)  # valid logical sizes and group size
+    # Valid logical sizes and group size; the padding quantize and pack give.
+    padded = shapes.padded_shape(w.k, w.n, w.group_size)
     q_shape = tuple(w.qweight.shape)
     s_shape = tuple(w.scales.shape)
     if len(q_shape) != 2 or q_shape[1] % 2:
@@ -356,7 +398,8 @@ def _check_weight(w) -> None:
         raise ValueError(f"qweight.shape = {q_shape} packs [k_pad, n_pad] = "
                          f"[{w.k_pad}, {w.n_pad}], smaller than the weight's "
                          f"[k, n] = [{w.k}, {w.n}]")
-    shapes.check_layer(w.k_pad, w.n_pad, w.group_size)
+    if w.padded_shape != padded:  # padded some other way: must still run as it is
+        shapes.check_layer(w.k_pad, w.n_pad, w.group_size)
     expected_s = (shapes.num_groups(w.k_pad, w.group_size), w.n_pad)
     if s_shape != expected_s:
         raise ValueError(f"scales.shape = {s_shape}, expected {expected_s} for "

@@ -1,8 +1,11 @@
 """Which layers and calls the Marlin kernel can run, checked at trace time.
 
-The C++ side (ffi/marlin_problem.h) re-checks the same rules at run time; here
-they are raised as ``ValueError``/``TypeError`` naming the dimension, before
-anything is compiled.
+The kernel's rules (tile sizes, group sizes, padding, scratch sizes) are
+stated once, in C++ (ffi/marlin_problem.h), and read here from the compiled
+module; the FFI handlers re-check the same rules at run time. This module
+adds what is about Python: argument types, dtypes, and errors raised as
+``ValueError``/``TypeError`` naming the argument, before anything is
+compiled.
 
 Two sizes per weight dimension: the *logical* ``k``, ``n`` of the user's
 ``[k, n]`` weight, and the *physical* (padded) ``k_pad``, ``n_pad`` the kernel
@@ -12,25 +15,23 @@ are.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from jax_marlin._ffi import rules
 
 #: Group sizes the kernel takes: one scale per ``group_size`` rows of the
 #: weight, or -1 for one scale per output column.
-GROUP_SIZES = (-1, 32, 64, 128)
+GROUP_SIZES: tuple[int, ...] = tuple(rules.GROUP_SIZES)
 
 #: Activation dtypes the kernel takes; scales, bias and the result share it.
 DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 
-TILE = 16  # the kernel's 16x16 weight tiles
-_MIN_THREAD_K = 64  # shallowest k tile
-_MIN_THREAD_N = 64  # narrowest n tile
-_MAX_THREAD_N = 256  # widest n tile
-_WIDE = 128  # one of k, n must fill a 128 tile
-_MAX_PAR = 16
-_MAX_BLOCKS = 256
-_INT32_OFFSETS = 2**31
+#: The kernel's 16x16 weight tiles: weight rows per packed ``qweight`` row.
+TILE: int = rules.TILE
+#: The shallowest k tile and the narrowest n tile (64 columns: one chunk of
+#: the packed layout).
+MIN_THREAD_K: int = rules.MIN_THREAD_K
+MIN_THREAD_N: int = rules.MIN_THREAD_N
 
 
 def num_groups(k: int, group_size: int) -> int:
@@ -43,24 +44,13 @@ def num_groups(k: int, group_size: int) -> int:
 
 
 def workspace_size(m: int, n: int) -> int:
-    """int32 lock counters the CUDA kernel needs for an ``[m, n]`` output.
-
-    One per 16-row block and 64 columns of its largest launch, at most 16
-    blocks of 64 rows (ffi/marlin_problem.h).
-    """
-    return n // _MIN_THREAD_N * min(-(-m // TILE), 4 * _MAX_PAR)
+    """int32 lock counters the CUDA kernel needs for an ``[m, n]`` output."""
+    return rules.workspace_size(m, n)
 
 
 def reduce_scratch_size(m: int, n: int) -> int:
-    """float32 partial sums the CUDA kernel hands between thread blocks for ``[m, n]``.
-
-    A 16-row tile per column for launches of 16 rows, a slot of one output
-    tile (at most 64 x 256) per thread block (at most 256) for launches of
-    32..64 rows (ffi/marlin_problem.h).
-    """
-    row_blocks = -(-m // TILE)
-    slots = _MAX_BLOCKS * TILE * min(row_blocks, 4) * _MAX_THREAD_N if row_blocks >= 2 else 0
-    return max(slots, TILE * n)
+    """float32 partial sums the CUDA kernel hands between thread blocks for ``[m, n]``."""
+    return rules.reduce_scratch_size(m, n)
 
 
 def _check_ints(**values) -> None:
@@ -73,14 +63,7 @@ def check_group_size(group_size: int) -> None:
     """Raises ``ValueError`` unless ``group_size`` is one of :data:`GROUP_SIZES`."""
     _check_ints(group_size=group_size)
     if group_size not in GROUP_SIZES:
-        raise ValueError(
-            f"group_size = {group_size} is not supported; the kernel takes group_size 32, 64 "
-            f"or 128 (one scale per that many rows of k) or -1 (one scale per column)"
-        )
-
-
-def _round_up(v: int, multiple: int) -> int:
-    return -(-v // multiple) * multiple
+        raise ValueError(rules.check_group_size(int(group_size)))
 
 
 def padded_shape(k: int, n: int, group_size: int) -> tuple[int, int]:
@@ -96,21 +79,11 @@ def padded_shape(k: int, n: int, group_size: int) -> tuple[int, int]:
     that are not positive, or a padded weight too large for the kernel's
     32-bit offsets.
     """
-    _check_ints(k=k, n=n)
-    check_group_size(group_size)
-    if k <= 0 or n <= 0:
-        raise ValueError(f"weight shape [k, n] = [{k}, {n}] must be positive")
-    k_pad = _round_up(k, math.lcm(_MIN_THREAD_K, max(group_size, 1)))
-    n_pad = _round_up(n, _MIN_THREAD_N)
-    if k_pad % _WIDE and n_pad % _WIDE:
-        # Both are 64 mod 128; k_pad + 64 stays a multiple of the group (the
-        # group divides 64 here, as k_pad is not a multiple of 128).
-        if n_pad < k_pad:
-            k_pad += _MIN_THREAD_K
-        else:
-            n_pad += _MIN_THREAD_N
-    check_layer(int(k_pad), int(n_pad), group_size)
-    return int(k_pad), int(n_pad)
+    _check_ints(k=k, n=n, group_size=group_size)
+    k_pad, n_pad, error = rules.padded_shape(int(k), int(n), int(group_size))
+    if error:
+        raise ValueError(error)
+    return k_pad, n_pad
 
 
 def check_layer(k: int, n: int, group_size: int) -> None:
@@ -118,27 +91,13 @@ def check_layer(k: int, n: int, group_size: int) -> None:
 
     ``k``, ``n`` are physical sizes (see :func:`padded_shape` for any other
     shape). The kernel needs: ``k`` and ``n`` multiples of 64, one of them a
-    multiple of 128 (its tiles are 64x256, 128x128, 128x64 or 64x128 in
-    (k, n)), ``k`` a multiple of ``group_size``, and 32-bit offsets into the
-    packed weight.
+    multiple of 128 (its tiles are 128 deep or 128 wide), ``k`` a multiple of
+    ``group_size``, and 32-bit offsets into the packed weight.
     """
-    _check_ints(k=k, n=n)
-    check_group_size(group_size)
-    if k <= 0 or n <= 0:
-        raise ValueError(f"weight shape [k, n] = [{k}, {n}] must be positive")
-    if k % _MIN_THREAD_K:
-        raise ValueError(f"k = {k} (weight.shape[0], the input features) must be a multiple of 64")
-    if n % _MIN_THREAD_N:
-        raise ValueError(f"n = {n} (weight.shape[1], the output features) must be a multiple of 64")
-    if group_size != -1 and k % group_size:
-        raise ValueError(f"k = {k} must be a multiple of group_size = {group_size}")
-    if k % _WIDE and n % _WIDE:
-        raise ValueError(
-            f"k = {k} and n = {n}: one of them must be a multiple of 128 "
-            f"(the kernel's tiles are 128 deep or 128 wide)"
-        )
-    if k * n // 8 >= _INT32_OFFSETS:
-        raise ValueError(f"weight [k, n] = [{k}, {n}] is too large for the kernel's 32-bit offsets")
+    _check_ints(k=k, n=n, group_size=group_size)
+    error = rules.check_layer(int(k), int(n), int(group_size))
+    if error:
+        raise ValueError(error)
 
 
 def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
@@ -164,8 +123,8 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
     return x_dtype
 
 
-def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
-                 bias_shape, bias_dtype, *, k: int, n: int, group_size: int) -> None:
+def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
+                   bias_shape, bias_dtype, *, k: int, n: int, group_size: int) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 
     Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
@@ -173,7 +132,7 @@ def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, s
     ``[0]`` (no bias), both in ``x``'s dtype. ``k``, ``n`` are the padded
     sizes the kernel sees.
     """
-    check_layer(k, n, group_size)
+    _check_ints(k=k, n=n, group_size=group_size)
     check_dtypes(x_dtype, scales_dtype, bias_dtype)
     if np.dtype(qweight_dtype) != np.int32:
         raise TypeError(f"qweight.dtype is {np.dtype(qweight_dtype).name}, expected int32")
@@ -182,6 +141,10 @@ def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, s
     if x_shape[-1] != k:
         raise ValueError(f"x.shape[-1] = {x_shape[-1]} does not match the weight's k = {k} "
                          f"(x has shape {tuple(x_shape)}, the weight [k, n] = [{k}, {n}])")
+    m = int(np.prod(x_shape[:-1], dtype=np.int64))
+    error = rules.check_problem(m, int(n), int(k), int(group_size))
+    if error:
+        raise ValueError(error)
     expected_q = (k // TILE, 2 * n)
     if tuple(qweight_shape) != expected_q:
         raise ValueError(f"qweight.shape = {tuple(qweight_shape)}, expected [k // 16, 2 n] = "
@@ -192,7 +155,3 @@ def check_matmul(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, s
                          f"k = {k}, n = {n}, group_size = {group_size}")
     if tuple(bias_shape) not in ((n,), (0,)):
         raise ValueError(f"bias.shape = {tuple(bias_shape)}, expected ({n},) or (0,) (no bias)")
-    m = int(np.prod(x_shape[:-1], dtype=np.int64))
-    if m * max(k, n) // 8 >= _INT32_OFFSETS:
-        raise ValueError(f"m = {m} rows of x are too many for the kernel's 32-bit offsets "
-                         f"at k = {k}, n = {n}; split the batch")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os  # 8 fake CPU devices for tests/test_sharding.py; set before jax starts its backends
+import os  # 8 fake CPU devices for tests/test_partitioning.py; set before jax starts its backends
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import zlib

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -351,3 +353,32 @@ def test_pack_bad_input(rng):
         jm.pack(q.astype(np.float32), ok, group_size=128)
     with pytest.raises(TypeError, match="MarlinWeight"):
         jm.unpack(q)
+
+
+# --- the scales' range -------------------------------------------------------------
+
+
+def test_fp16_scale_overflow_raises(rng):
+    w = random_weight(rng, 128, 128) * 1e6  # max|w| ~ 4e6: a scale above 65504
+    with pytest.raises(ValueError, match=r"max\|w\| from .* overflows float16.*bfloat16"):
+        jm.quantize(w)
+    # bfloat16 scales hold it: the dequantized weight is within the 4-bit error.
+    wb = jm.quantize(w, dtype=jnp.bfloat16)
+    err = np.linalg.norm(np.asarray(jm.dequantize(wb, jnp.float32)) - w) / np.linalg.norm(w)
+    assert err < 0.2
+
+
+def test_fp16_scale_underflow(rng):
+    tiny = random_weight(rng, 128, 128) * 1e-9  # every scale below fp16's 6e-8
+    with pytest.raises(ValueError, match=r"underflows to 0 in float16.*multiply to zero"):
+        jm.quantize(tiny)
+    mixed = random_weight(rng, 256, 128)
+    mixed[128:] *= 1e-9  # the second group of every column underflows
+    with pytest.warns(UserWarning, match=r"128 groups .* underflow to 0 in float16"):
+        w = jm.quantize(mixed)
+    assert np.all(np.asarray(jm.dequantize(w, jnp.float32))[128:] == 0)
+    # Scales inside the range neither raise nor warn.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jm.quantize(random_weight(rng, 128, 128) * 1e3)
+        jm.quantize(random_weight(rng, 128, 128) * 1e-5)

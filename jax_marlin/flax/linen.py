@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax_marlin import shapes
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
-from jax_marlin.primitive import matmul
+from jax_marlin.ops import matmul
 
 __all__ = ["MARLIN_COLLECTION", "MarlinDense", "dense_to_marlin", "params_to_marlin"]
 

@@ -26,8 +26,8 @@ from flax import nnx
 from jax_marlin import shapes
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
-from jax_marlin.primitive import matmul
-from jax_marlin.sharding import weight_specs
+from jax_marlin.ops import matmul
+from jax_marlin.partitioning import weight_specs
 
 __all__ = [
     "MarlinLinear",
@@ -372,7 +372,10 @@ def _progress_bar(total: int, progress: bool | None):
             raise ImportError("quantize_model(progress=True) needs tqdm: "
                               "pip install tqdm") from None
         return None
-    return tqdm(total=total, desc="quantize_model", unit="layer")
+    # disable=None: tqdm turns itself off when stderr is not a terminal (a log
+    # file or a pipe), where a bar would print as garbled lines.
+    return tqdm(total=total, desc="quantize_model", unit="layer",
+                disable=None if progress is None else False)
 
 
 def quantize_model(
@@ -395,7 +398,8 @@ def quantize_model(
       filter: ``filter(path, linear) -> bool`` picks the layers to quantize,
         ``path`` being the tuple of attribute names / indices from ``model``
         (e.g. ``("blocks", 0, "mlp", "up")``); ``None`` picks all.
-      progress: a tqdm progress bar; ``None`` shows one from 8 layers up.
+      progress: a tqdm progress bar; ``None`` shows one from 8 layers up when
+        stderr is a terminal.
       summary: also return a :class:`QuantizeSummary`.
 
     Returns:

@@ -1,4 +1,5 @@
-"""jm.matmul on the CPU custom call: against the jnp reference and float64."""
+"""jm.matmul (ops) on the CPU handler: against the jnp reference and float64, padding,
+bias, autodiff, vmap, argument checks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import jax_marlin as jm
 from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
-from jax_marlin.primitive import _bind
+from jax_marlin.ops import _matmul
 
 # The CPU handler and the reference compute x @ W (+ bias) exactly up to fp32
 # accumulation (W's values (q - 8) * scale are exact in fp32) and round once to
@@ -30,7 +31,7 @@ ODD = [(576, 192), (576, 1000), (1000, 576), (4100, 130)]
 
 def poisoned(x, w, bias=None):
     """jm.matmul whose output buffer starts as NaN: an unwritten element shows."""
-    return jax.jit(lambda x, w, b: _bind(x, w, b, poison_output=True))(x, w, bias)
+    return jax.jit(lambda x, w, b: _matmul(x, w, b, poison_output=True))(x, w, bias)
 
 
 @pytest.fixture(scope="module")
@@ -268,36 +269,19 @@ def test_bad_input_raises_at_trace_time(rng, weights, make, error, match):
         jm.matmul(*args)
 
 
-def test_handler_rechecks_buffers(rng, weights):
-    # Calling the FFI target directly with inconsistent buffers gets an error
-    # from the C++ checks, not a bad memory access.
-    w = weights[(1024, 512, 128)]
-    x = random_x(rng, 4, 1024)
-    no_bias = jnp.zeros((0,), jnp.float16)
-    ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512)
-    assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
-    assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
+def test_each_check_runs_once_per_trace(rng, weights, monkeypatch):
+    # The user's arguments are checked once (ops), the kernel's operands once
+    # (the primitive's abstract eval); nothing in between re-checks them.
+    from jax_marlin import shapes
 
-    def call(*args, y_dtype=jnp.float16, workspace=ws_size, scratch=rs_size, group_size=128):
-        results = (jax.ShapeDtypeStruct((4, 512), y_dtype),
-                   jax.ShapeDtypeStruct((workspace,), jnp.int32),
-                   jax.ShapeDtypeStruct((scratch,), jnp.float32))
-        f = jax.ffi.ffi_call("jax_marlin_matmul", results)
-        return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
-
-    y, _, _ = call(x, w.qweight, w.scales, no_bias)  # the consistent call runs
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
-    cases = [
-        (dict(args=(x, w.qweight, w.scales[:2], no_bias)), "scales must have shape"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros(7, jnp.float16))), "bias must have shape"),
-        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
-        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=ws_size - 1), "workspace holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
-         "reduce_scratch holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size must be"),
-    ]
-    for kwargs, match in cases:
-        with pytest.raises(Exception, match=match):
-            call(*kwargs.pop("args"), **kwargs)
+    calls = {"padded_shape": 0, "check_operands": 0}
+    for name in calls:
+        def counted(*args, _name=name, _f=getattr(shapes, name), **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(shapes, name, counted)
+    w = weights[(512, 320, 128)]
+    x, bias = random_x(rng, 5, 512), random_x(rng, 320)
+    jax.clear_caches()  # an inner jit traced by an earlier test would skip its checks
+    jax.jit(jm.matmul).lower(x, w, bias)
+    assert calls == {"padded_shape": 1, "check_operands": 1}

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
 from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
-from jax_marlin.sharding import shard_weight, weight_specs
+from jax_marlin.partitioning import shard_weight, weight_specs
 
 # Row parallel (k sharded) adds P float16 partial products, each rounded once,
 # with P - 1 float16 additions, instead of rounding one float32 sum: measured

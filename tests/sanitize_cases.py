@@ -1,6 +1,6 @@
 """Runs the Marlin kernel over every tile configuration, both dtypes, every
 group size, a fused bias, padded odd shapes and awkward batch sizes, for
-compute-sanitizer (benchmarks/gpu_session.sh, stage 'sanitize').
+compute-sanitizer (benchmarks/gpu_run.sh, stage sanitize).
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 
 import jax_marlin as jm
-from jax_marlin.primitive import _bind
+from jax_marlin.ops import _matmul
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 # m: 1 (small tiles), 17 (large tiles, partial 16-row block), 65 (a 64-row
 # launch and a 1-row one), 100 and 1057 (parallel 64-row blocks, par > 1).
 SMALL_LARGE = [1, 17, 65, 1024 + 33]
 CASES = [  # (k, n, group_size, dtype, bias, ms)
-    # every tile configuration in float16, g128 and g-1 (the cases of v1)
+    # every tile configuration in float16, g128 and g-1
     (1024, 1024, 128, F16, False, SMALL_LARGE),
     (1024, 1152, 128, F16, False, SMALL_LARGE),
     (1024, 1088, -1, F16, False, SMALL_LARGE),
@@ -44,7 +44,7 @@ CASES = [  # (k, n, group_size, dtype, bias, ms)
 
 @jax.jit
 def run(x, w, bias):
-    return _bind(x, w, bias=bias, poison_output=True)
+    return _matmul(x, w, bias=bias, poison_output=True)
 
 
 key = jax.random.key(0)

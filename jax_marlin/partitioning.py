@@ -1,10 +1,10 @@
-"""Sharding ``jm.matmul`` over a device mesh: data, column and row parallelism.
+"""Sharding the Marlin kernel over a device mesh: data, column and row parallelism.
 
-``jm.matmul`` is a ``custom_partitioning`` op: under ``jax.jit`` with sharded
-inputs the partitioner runs the Marlin kernel on each device's shard of
-``x``, ``qweight``, ``scales`` and ``bias`` instead of gathering them. On one
-device nothing changes; eager calls (on sharded arrays too) and ``vmap`` work
-as before.
+:func:`matmul` is the primitive wrapped in ``custom_partitioning``: under
+``jax.jit`` with sharded inputs the partitioner runs the kernel on each
+device's shard of ``x``, ``qweight``, ``scales`` and ``bias`` instead of
+gathering them. On one device it is the primitive. :func:`shard_weight` and
+:func:`weight_specs` place a weight so that every shard runs on the kernel.
 
 Everything here is about the padded (physical) weight ``[k, n]`` = ``[k_pad,
 n_pad]`` that the kernel sees; ``jm.matmul`` pads ``x`` and the bias to it
@@ -59,40 +59,22 @@ is still computed exactly: the partitioner gathers the offending dimension of
 the weight (``k`` first, then ``n``) and emits a ``UserWarning`` saying so.
 It never runs the kernel on a misaligned shard.
 
-Precision of the row-parallel reduction. The kernel emits each partial product
-rounded to float16 and the all-reduce adds them in float16 (with bfloat16
-weights: in bfloat16, 8 significant bits instead of 11, still far below the
-4-bit error). Adding the float16 partials in float32 and rounding once (cast,
-``psum``, cast back) would be more accurate and double the all-reduce bytes: the compiled program all-reduces
-``f32[m, n]`` instead of ``f16[m, n]``, 4 m n bytes instead of 2 m n per
-reduction (64 MiB instead of 32 MiB at m = n = 4096). Measured on CPU (k = 4096
-and 8192, n = 1024, m = 16 and 256, both group sizes; the spread over these is
-under 2 %), as ``||y - y_float64|| / ||y_float64||`` with ``y_float64``
-computed from the same quantized weight::
-
-    shards of k    float16 psum   float32 psum
-    1 (unsharded)  2.07e-4        2.07e-4
-    2              3.07e-4        3.07e-4    (identical: a + b rounds once either way)
-    4              3.94e-4        2.98e-4
-    8              5.05e-4        2.93e-4
-
-The float16 reduction adds 1e-4 (4 shards) to 2e-4 (8 shards) of relative
-error, about 500 times below the 4-bit quantization error of the same layer
-(1.1e-1 at group_size 128, 1.5e-1 per column, against the float weights), so
-the all-reduce stays in float16, at half the bytes. Range: the partials are
-float16 either way; a float16 reduction can additionally overflow only where a
-running sum of partials exceeds 65504 while the total does not.
+Precision of the row-parallel reduction: the kernel rounds each partial
+product to ``x``'s dtype and the all-reduce adds them in that dtype. Adding
+them in float32 would double the all-reduce's bytes for an error far below
+the 4-bit quantization error of the layer (benchmarks/NOTES.md has the
+measurement), so the all-reduce stays in float16 (bfloat16). Range: a
+float16 reduction can overflow only where a running sum of partials exceeds
+65504 while the total does not.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import (
     BATCHING,
     ArrayMapping,
@@ -100,22 +82,23 @@ from jax.experimental.custom_partitioning import (
     SdyShardingRule,
     custom_partitioning,
 )
-from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_marlin import shapes
+from jax_marlin._compat import ir
 from jax_marlin.packing import MarlinWeight
 from jax_marlin.primitive import marlin_matmul_p
 
-__all__ = ["shard_weight", "weight_specs"]
+__all__ = ["matmul", "shard_weight", "weight_specs"]
 
 # Packed tiles (packing.py): 16 weight rows per qweight row; 64 weight columns
-# per chunk of 128 int32 words in qweight and of 64 permuted scales.
+# (the kernel's narrowest n tile) per chunk of 128 int32 words in qweight and
+# of 64 permuted scales.
 _ROWS_PER_QROW = shapes.TILE
-_COLS_PER_CHUNK = 64
+_COLS_PER_CHUNK = shapes.MIN_THREAD_N
 _WORDS_PER_CHUNK = 2 * _COLS_PER_CHUNK
-# Per-column scales: the kernel needs k_local to be a multiple of 64.
-_K_BLOCK_PER_COLUMN = 64
+# Per-column scales: the kernel needs k_local to be a multiple of its k tile.
+_K_BLOCK_PER_COLUMN = shapes.MIN_THREAD_K
 
 
 # --- logical (k, n) specs -> packed specs ----------------------------------------
@@ -303,7 +286,7 @@ def _choose_layout(k, n, group_size, mesh, x_sharding, q_sharding, x_ndim, *, wa
             warnings.warn(
                 "jm.matmul: the partitioner gave shardings without a mesh "
                 f"({type(q_sharding).__name__}); running on replicated operands. Shard with "
-                "NamedSharding (jax_marlin.sharding.shard_weight) to split the work.",
+                "NamedSharding (jm.shard_weight) to split the work.",
                 stacklevel=2)
         return (None,) * (x_ndim - 1), (), ()
     q_entries = tuple(q_sharding.spec) + (None,) * (2 - len(q_sharding.spec))
@@ -319,7 +302,7 @@ def _choose_layout(k, n, group_size, mesh, x_sharding, q_sharding, x_ndim, *, wa
             warnings.warn(
                 f"jm.matmul: the weight [k, n] = [{k}, {n}] is sharded as {q_sharding.spec} "
                 f"(qweight), which cannot run per shard: {error}. Gathering the weight along "
-                f"{dropped} instead; place it with jax_marlin.sharding.shard_weight to get an "
+                f"{dropped} instead; place it with jm.shard_weight to get an "
                 f"error at placement.", stacklevel=2)
     used = set(k_axes) | set(n_axes)
     x_entries = tuple(x_sharding.spec) + (None,) * (x_ndim - len(x_sharding.spec))
@@ -389,46 +372,15 @@ _partitioned.def_partition(
 )
 
 
-# --- vmap and entry --------------------------------------------------------------------
+# --- entry ---------------------------------------------------------------------------
 
 
-@functools.cache
-def _vmappable(poison_output: bool) -> custom_vmap:
-    # custom_partitioning has no batching rule; this layer gives it one that
-    # re-enters the partitioned op with the batch folded into x's leading
-    # dimensions (or one call per weight when the weights or biases are
-    # batched).
-    @custom_vmap
-    def call(x, w, bias):
-        if bias is None:  # the kernel's "no bias": a [0] operand
-            bias = jnp.zeros((0,), x.dtype)
-        return _partitioned(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad, w.group_size,
-                            poison_output)
+def matmul(x, qweight, scales, bias, k: int, n: int, group_size: int,
+           poison_output: bool) -> jax.Array:
+    """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
 
-    @call.def_vmap
-    def rule(axis_size, in_batched, x, w, bias):
-        x_batched, w_batched, bias_batched = in_batched
-        if not (w_batched.qweight or w_batched.scales or bias_batched):
-            # Only x is batched (at axis 0): one more leading dimension of m.
-            return call(x, w, bias), True
-        def front(a, batched):
-            return a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-        xs = front(x, x_batched)
-        qs, ss = front(w.qweight, w_batched.qweight), front(w.scales, w_batched.scales)
-        bs = None if bias is None else front(bias, bias_batched)
-        y = jax.lax.map(
-            lambda a: call(a[0], MarlinWeight(a[1], a[2], w.k, w.n, w.group_size), a[3]),
-            (xs, qs, ss, bs))
-        return y, True
-
-    return call
-
-
-def partitioned_matmul(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
-    """``x [..., k_pad] @ w + bias [n_pad] -> [..., n_pad]`` on the padded shape.
-
-    The kernel, partitioned under sharded inputs and batched under ``vmap``;
-    ``bias`` may be ``None``. Called by ``jm.matmul`` after it has checked and
-    padded the operands.
+    ``k``, ``n`` are the padded sizes; ``bias`` is ``[n]`` or ``[0]`` (no
+    bias). ``jm.matmul`` calls this after it has checked and padded its
+    arguments.
     """
-    return _vmappable(poison_output)(x, w, bias)
+    return _partitioned(x, qweight, scales, bias, k, n, group_size, poison_output)

@@ -1,0 +1,157 @@
+"""``jm.matmul``: the public op, with argument checks, padding, autodiff and ``vmap``.
+
+The layers, top down: this module checks the user's arguments once (in
+logical sizes, naming them), pads ``x`` and the bias to the weight's padded
+shape and drops the padded columns of ``y``; ``partitioning`` runs the kernel
+per shard under sharded inputs; ``primitive`` is the kernel's abstract
+evaluation and lowering; ``shapes`` holds the rules they check.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
+
+from jax_marlin import partitioning, shapes
+from jax_marlin.packing import MarlinWeight, _check_weight
+
+__all__ = ["matmul"]
+
+
+def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
+    """``x @ W + bias`` with the Marlin kernel, on CPU and CUDA, under ``jit``/``vmap``.
+
+    The bias is added in float32 to the float32 product before its one
+    rounding to ``x.dtype``. Under ``jit`` with sharded inputs the kernel runs
+    on each device's shard (``jax_marlin.partitioning``): sharding ``m`` or
+    ``n`` needs no communication, sharding ``k`` one all-reduce of ``y`` (the
+    bias is then added once, after it).
+
+    Args:
+      x: ``[..., k]`` float16 or bfloat16 activations, the dtype of the
+        weight's scales (``w.dtype``).
+      w: a :class:`MarlinWeight` for a ``[k, n]`` weight.
+      bias: optional ``[n]`` in ``x.dtype``.
+
+    Returns:
+      ``[..., n]`` in ``x.dtype``.
+
+    Differentiable with respect to ``bias`` only; a derivative with respect
+    to ``x`` or the weight raises ``NotImplementedError``.
+    """
+    return _matmul(x, w, bias, poison_output=False)
+
+
+def _matmul(x, w: MarlinWeight, bias=None, *, poison_output: bool) -> jax.Array:
+    """:func:`matmul`, with ``poison_output`` for tests (``y`` starts as NaN)."""
+    x = jnp.asarray(x)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+    _check_arguments(x, w, bias)
+    return _differentiable(x, w, bias, bool(poison_output))
+
+
+def _check_arguments(x, w, bias) -> None:
+    """The user's arguments, in the logical sizes ``[k, n]`` they were given in."""
+    if not isinstance(w, MarlinWeight):
+        raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
+                        f"got {type(w).__name__}")
+    _check_weight(w)
+    shapes.check_dtypes(x.dtype, w.scales.dtype, None if bias is None else bias.dtype)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension, [..., k]")
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x.shape[-1] = {x.shape[-1]} does not match the weight's k = {w.k} "
+                         f"(x has shape {x.shape}, the weight [k, n] = [{w.k}, {w.n}])")
+    if bias is not None and bias.shape != (w.n,):
+        raise ValueError(f"bias.shape = {bias.shape}, expected ({w.n},): one value per output "
+                         f"column of the weight [k, n] = [{w.k}, {w.n}]")
+
+
+# --- autodiff ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _differentiable(x, w, bias, poison_output):
+    return _padded_matmul(x, w, bias, poison_output)
+
+
+def _is_zero(tangent) -> bool:
+    return all(isinstance(t, SymbolicZero) for t in jax.tree.leaves(tangent))
+
+
+@functools.partial(_differentiable.defjvp, symbolic_zeros=True)
+def _jvp(poison_output, primals, tangents):
+    # y is affine in the bias: dy = broadcast(d bias).
+    x, w, bias = primals
+    x_dot, w_dot, bias_dot = tangents
+    if not (_is_zero(x_dot) and _is_zero(w_dot)):
+        raise NotImplementedError(
+            "jm.matmul is differentiable with respect to the bias only; no derivative "
+            "with respect to x or the weight yet (stop_gradient the input of a 4-bit layer)")
+    y = _differentiable(x, w, bias, poison_output)
+    if bias is None or _is_zero(bias_dot):
+        return y, jnp.zeros_like(y)
+    return y, jnp.broadcast_to(bias_dot.astype(y.dtype), y.shape)
+
+
+# --- padding ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("poison_output",))
+def _padded_matmul(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
+    """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns.
+
+    A ``jit`` so that eager calls on sharded arrays are partitioned too (the
+    primitive's own eager path would gather them).
+    """
+    if w.k_pad > w.k:  # zero activations meet the zero rows of the padded weight
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
+    if bias is not None and w.n_pad > w.n:
+        bias = jnp.pad(bias, (0, w.n_pad - w.n))
+    y = _vmappable(poison_output)(x, w, bias)
+    return y[..., :w.n] if w.n_pad > w.n else y
+
+
+# --- vmap ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _vmappable(poison_output: bool) -> custom_vmap:
+    """The partitioned kernel on padded operands, with a batching rule.
+
+    custom_partitioning has no batching rule of its own; this one folds a
+    batch of ``x`` into its leading dimensions (the kernel's m) and runs one
+    call per element when weights or biases are batched.
+    """
+
+    @custom_vmap
+    def call(x, w, bias):
+        if bias is None:  # the kernel's "no bias": a [0] operand
+            bias = jnp.zeros((0,), x.dtype)
+        return partitioning.matmul(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad,
+                                   w.group_size, poison_output)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, x, w, bias):
+        x_batched, w_batched, bias_batched = in_batched
+        if not (w_batched.qweight or w_batched.scales or bias_batched):
+            # Only x is batched (at axis 0): one more leading dimension of m.
+            return call(x, w, bias), True
+
+        def front(a, batched):
+            return a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+        xs = front(x, x_batched)
+        qs, ss = front(w.qweight, w_batched.qweight), front(w.scales, w_batched.scales)
+        bs = None if bias is None else front(bias, bias_batched)
+        y = jax.lax.map(
+            lambda a: call(a[0], MarlinWeight(a[1], a[2], w.k, w.n, w.group_size), a[3]),
+            (xs, qs, ss, bs))
+        return y, True
+
+    return call
