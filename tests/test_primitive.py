@@ -339,6 +339,36 @@ def test_repeated_calls_are_bit_identical(rng, dtype, m, k, n):
         np.testing.assert_array_equal(np.asarray(marlin(x, w, poison=False)), first)
 
 
+# The decode kernel (m <= 16 on sm_90; the Marlin kernel elsewhere): every m,
+# both halves of its 16-row m tile, with and without a bias, over layers that
+# split k into many ranges (14336, 28672), a narrow padded one (640 x 192, three
+# 64-column chunks) and every group size.
+DECODE_LAYERS = [(4096, 4096, 128), (14336, 4096, 128), (28672, 1024, -1), (640, 192, 64),
+                 (4096, 6144, 32), (8192, 1024, 64)]
+
+
+@pytest.mark.parametrize("m", range(1, 17))
+@pytest.mark.parametrize("layer", DECODE_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_decode_sizes_match_float64(rng, dtype, layer, m):
+    k, n, g = layer
+    w = weight(k, n, g, dtype)
+    check_against_float64(rng, w, weight64(k, n, g, dtype), m, bias=m % 2 == 1)
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 16])
+@pytest.mark.gpu
+def test_decode_repeats_are_bit_identical(rng, m):
+    # The partial sums of a column meet in a fixed order (k ranges of a block,
+    # then the cluster's blocks by rank), so repeats give the same bits.
+    w = weight(14336, 4096, 128, "float16")
+    x = gpu(activations(rng, "float16", m, 14336))
+    first = np.asarray(marlin(x, w))
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(marlin(x, w)), first)
+
+
 def test_every_tile_is_tested():
     # LAYERS and TILE_SHAPES reach every tile the launcher has, for small and
     # large batches (the tile choice is the C++ launcher's own).
