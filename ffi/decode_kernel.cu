@@ -153,18 +153,29 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   // Weight and scale rings: step j of the window is in wq[j]; the scales of
   // the window's group q in sq[q] (thread's 8 scales: columns lane / 4 + 8 i
   // of the chunk, i.e. tile t's n and n + 8 at halves 2 t and 2 t + 1).
-  int4 wq[kDepth];
-#pragma unroll
-  for (int j = 0; j < kDepth; j++) wq[j] = load_stream(w_ptr + int64_t(j) * w_stride, j < steps);
+  // Two windows of kDepth steps, in two sets of registers: while one window
+  // is multiplied, the loads of the next are in flight, and each load has a
+  // whole window of work to land (a single ring of slots refilled as they
+  // free up let ptxas sink every refill to the end of the loop, so the next
+  // window waited for its loads). The scales of a window's groups come with
+  // its weights.
   const int s_stride = p.n / 8;  // int4 per row of scales
   const int4 *s_ptr = p.s + 8 * chunk + lane / 4;
   const int group_row0 = grouped ? (kb0 + k_rel) / (16 * group_blocks) : 0;
-  int4 sq[window_groups];
-  if constexpr (grouped) {
+  auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int base) {
 #pragma unroll
-    for (int q = 0; q < window_groups; q++)
-      sq[q] = load_stream(s_ptr + int64_t(group_row0 + q) * s_stride, q * group_blocks < steps);
-  }
+    for (int j = 0; j < kDepth; j++)
+      w[j] = load_stream(w_ptr + int64_t(base + j) * w_stride, base + j < steps);
+    if constexpr (grouped) {
+#pragma unroll
+      for (int q = 0; q < window_groups; q++)
+        sg[q] = load_stream(s_ptr + int64_t(group_row0 + (base + q * group_blocks) / group_blocks) * s_stride,
+                            base + q * group_blocks < steps);
+    }
+  };
+  int4 wa[kDepth], wb[kDepth];
+  int4 sa[window_groups], sb[window_groups];
+  fill(wa, sa, 0);
 
   FragC acc[4][m_halves];
 #pragma unroll
@@ -182,74 +193,62 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   // of a pair of steps), row lane % 8 (m).
   const scalar_t *x_lane = xs + (lane % 8) * (8 * xs_stride) + k_rel + 8 * (lane / 8);
 
-  // Steps j and j + 1 of the window at `base`: their x fragments (registers
-  // {0, 1} and {2, 3} of one ldmatrix.x4 per 8 rows of m), then per step
-  // dequantize, scale and multiply. With `refill`, the weights and group
-  // scales kDepth steps ahead go into the slots this pair frees.
-  auto pair = [&](int base, int j, bool refill) {
-    FragA<scalar_t> xb[m_halves];
+  // The window at `base` (its weights in w, its groups' scales in sg), a
+  // pair of steps at a time: their x fragments (registers {0, 1} and {2, 3}
+  // of one ldmatrix.x4 per 8 rows of m), then per step dequantize, scale and
+  // multiply.
+  auto window = [&](const int4 (&w)[kDepth], const int4 (&sg)[window_groups], int base) {
 #pragma unroll
-    for (int h = 0; h < m_halves; h++)
-      ldsm4<scalar_t>(xb[h], x_lane + h * 8 * (8 * xs_stride) + 16 * (base + j));
+    for (int j = 0; j < kDepth; j += 2) {
+      if (base + j < steps) {  // steps is even
+        FragA<scalar_t> xb[m_halves];
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
-      const int step = base + j + u;
-      // Read in place: a copy of the slot while its refill is under way
-      // makes the compiler alternate registers, and the moves that realign
-      // them at the loop's end wait for the loads.
-      I4 &w = *reinterpret_cast<I4 *>(&wq[j + u]);
-      FragS<scalar_t> sc[4];  // per tile: (scale of n, scale of n + 8)
-      if constexpr (grouped) {
-        const int4 sv = sq[((j + u) / group_blocks) % window_groups];
+        for (int h = 0; h < m_halves; h++)
+          ldsm4<scalar_t>(xb[h], x_lane + h * 8 * (8 * xs_stride) + 16 * (base + j));
 #pragma unroll
-        for (int t = 0; t < 4; t++) sc[t][0] = reinterpret_cast<const T2 *>(&sv)[t];
-      }
+        for (int u = 0; u < 2; u++) {
+          const int *q = reinterpret_cast<const int *>(&w[j + u]);
+          FragS<scalar_t> sc[4];  // per tile: (scale of n, scale of n + 8)
+          if constexpr (grouped) {
+            const int4 sv = sg[((j + u) / group_blocks) % window_groups];
 #pragma unroll
-      for (int t = 0; t < 4; t++) {
-        FragB<scalar_t> lo = dequant<scalar_t>(w[t]);
-        FragB<scalar_t> hi = dequant<scalar_t>(w[t] >> 8);
-        if constexpr (grouped) {
-          const T2 s_n = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
-          const T2 s_n8 = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
-          lo[0] = __hmul2(lo[0], s_n);
-          lo[1] = __hmul2(lo[1], s_n);
-          hi[0] = __hmul2(hi[0], s_n8);
-          hi[1] = __hmul2(hi[1], s_n8);
-        }
-        FragA<scalar_t> a;
-        a[0] = lo[0];
-        a[1] = hi[0];
-        a[2] = lo[1];
-        a[3] = hi[1];
+            for (int t = 0; t < 4; t++) sc[t][0] = reinterpret_cast<const T2 *>(&sv)[t];
+          }
 #pragma unroll
-        for (int h = 0; h < m_halves; h++) {
-          FragB<scalar_t> b;
-          b[0] = xb[h][2 * u];
-          b[1] = xb[h][2 * u + 1];
-          mma<scalar_t>(a, b, acc[t][h]);
-        }
-      }
-      if (refill)
-        wq[j + u] = load_stream(w_ptr + int64_t(step + kDepth) * w_stride, step + kDepth < steps);
-      if constexpr (grouped) {
-        // The group's last step: its slot takes the group one window ahead.
-        if (refill && (j + u + 1) % group_blocks == 0) {
-          const int next_step = step + 1 + kDepth - group_blocks;
-          sq[((j + u) / group_blocks) % window_groups] = load_stream(
-              s_ptr + int64_t(group_row0 + next_step / group_blocks) * s_stride, next_step < steps);
+          for (int t = 0; t < 4; t++) {
+            FragB<scalar_t> lo = dequant<scalar_t>(q[t]);
+            FragB<scalar_t> hi = dequant<scalar_t>(q[t] >> 8);
+            if constexpr (grouped) {
+              const T2 s_n = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
+              const T2 s_n8 = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
+              lo[0] = __hmul2(lo[0], s_n);
+              lo[1] = __hmul2(lo[1], s_n);
+              hi[0] = __hmul2(hi[0], s_n8);
+              hi[1] = __hmul2(hi[1], s_n8);
+            }
+            FragA<scalar_t> a;
+            a[0] = lo[0];
+            a[1] = hi[0];
+            a[2] = lo[1];
+            a[3] = hi[1];
+#pragma unroll
+            for (int h = 0; h < m_halves; h++) {
+              FragB<scalar_t> b;
+              b[0] = xb[h][2 * u];
+              b[1] = xb[h][2 * u + 1];
+              mma<scalar_t>(a, b, acc[t][h]);
+            }
+          }
         }
       }
     }
   };
-  // Whole windows with refills, then the steps left (already in the slots).
-  const int full = steps - steps % kDepth;
-  for (int base = 0; base < full; base += kDepth) {
-#pragma unroll
-    for (int j = 0; j < kDepth; j += 2) pair(base, j, true);
+  for (int base = 0; base < steps; base += 2 * kDepth) {
+    fill(wb, sb, base + kDepth);
+    window(wa, sa, base);
+    fill(wa, sa, base + 2 * kDepth);
+    window(wb, sb, base + kDepth);
   }
-#pragma unroll
-  for (int j = 0; j < kDepth; j += 2)
-    if (full + j < steps) pair(full, j, false);
 
   // Partial sums of every warp into shared memory, rows of m then columns:
   // red[(kw m_pad + m) rs + 64 cw + n]. rs = 64 cw + 4 staggers the rows by
