@@ -30,6 +30,7 @@
 
 #include "decode_kernel.h"
 #include "marlin_kernel.h"
+#include "scratch_sizes.h"
 
 namespace {
 
@@ -126,7 +127,7 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
   fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(b.A), size_t(c.m) * c.k, 5, -1.f, 1.f, g_bf16);
   fill_float<<<64, 256, 0, stream>>>(static_cast<uint16_t *>(b.bias), c.n, 7, -0.5f, 0.5f, g_bf16);
   check(cudaMalloc(&b.workspace, marlin::workspace_size(c.m, c.n) * sizeof(int)), "cudaMalloc locks");
-  check(cudaMalloc(&b.scratch, marlin::reduce_scratch_size(c.m, c.n) * sizeof(float)), "cudaMalloc scratch");
+  check(cudaMalloc(&b.scratch, marlin::reduce_scratch_size(c.m, c.n, c.k) * sizeof(float)), "cudaMalloc scratch");
   check(cudaStreamSynchronize(stream), "fill");
   return b;
 }

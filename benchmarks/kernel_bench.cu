@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "marlin_kernel.h"
+#include "scratch_sizes.h"
 #include "marlin_launch.h"
 
 namespace {
@@ -78,7 +79,7 @@ std::string run_unsplit(const void *A, const void *B, const void *s, void *C, in
   marlin::LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                        static_cast<int4 *>(C), scratch, static_cast<const int4 *>(s), nullptr,
                        m, n, k, workspace, n / config.thread_n * par, max_shared, device, stream};
-  check(cudaMemsetAsync(workspace, 0, marlin::workspace_size(m, n) * sizeof(int), stream), "memset");
+  check(cudaMemsetAsync(workspace, 0, marlin::marlin_locks_size(m, n) * sizeof(int), stream), "memset");
   return marlin::launch_tile<half, 8>(config, thread_m_blocks, p);
 }
 
@@ -151,7 +152,7 @@ int main(int argc, char **argv) {
     check(cudaMalloc(&C, size_t(m) * n * 2), "cudaMalloc C");
     fill_half<<<1024, 256, 0, stream>>>(static_cast<half *>(A), size_t(m) * k, 5, -1.f, 1.f);
     check(cudaMalloc(&workspace, marlin::workspace_size(m, n) * sizeof(int)), "cudaMalloc locks");
-    check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n) * sizeof(float)),
+    check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n, k) * sizeof(float)),
           "cudaMalloc scratch");
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");

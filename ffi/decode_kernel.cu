@@ -27,6 +27,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 
@@ -408,26 +409,59 @@ bool config_fits(const DecodeConfig &c, int64_t m, int64_t n, int64_t k, int64_t
 }
 }  // namespace
 
+namespace {
+
+// The fastest configuration of the Llama-2/3 70B and 8B projections on an
+// H200 (132 SMs), per batch size up to 2, 4, 8 and 16 rows, from
+// benchmarks/results/h200-2026-12-03-decode-sweep.txt (fp16 g128). An empty
+// entry: the Marlin kernel was faster there (at m = 16 on the 70B layers and
+// 14336 x 4096).
+struct MeasuredLayer {
+  int k, n;
+  DecodeConfig by_m[4];  // m <= 2, 4, 8, 16
+};
+constexpr MeasuredLayer kMeasured[] = {
+    {8192, 10240, {{1, 4, 2}, {1, 4, 2}, {4, 2, 4}, {}}},
+    {8192, 8192, {{1, 8, 2}, {1, 8, 2}, {1, 8, 2}, {}}},
+    {8192, 57344, {{8, 1, 2}, {8, 1, 2}, {8, 1, 2}, {}}},
+    {28672, 8192, {{4, 2, 7}, {4, 2, 7}, {4, 2, 7}, {}}},
+    {4096, 6144, {{4, 1, 16}, {2, 4, 4}, {2, 4, 4}, {4, 2, 4}}},
+    {4096, 4096, {{1, 8, 2}, {1, 8, 2}, {1, 8, 2}, {1, 8, 2}}},
+    {4096, 28672, {{4, 1, 4}, {8, 1, 4}, {4, 2, 2}, {8, 1, 2}}},
+    {14336, 4096, {{2, 4, 7}, {2, 4, 7}, {2, 4, 7}, {}}},
+};
+constexpr int kMeasuredSms = 132;
+
+}  // namespace
+
 DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int sms) {
-  // Aim for about 12 resident warps per SM, each streaming at least 256 rows
-  // of k, with as few k splits as that allows (every split adds partial sums
-  // to reduce), and at least one block per SM.
+  if (m < 1 || m > kDecodeMaxM) return {};
+  const int bucket = m <= 2 ? 0 : m <= 4 ? 1 : m <= 8 ? 2 : 3;
+  if (sms == kMeasuredSms)
+    for (const MeasuredLayer &layer : kMeasured)
+      if (layer.k == k && layer.n == n) {
+        const DecodeConfig &c = layer.by_m[bucket];
+        if (!c.valid() || config_fits(c, m, n, k, group_size)) return c;
+      }
+  // Elsewhere, what the sweep's winners have in common: about 14 resident
+  // warps per SM in all (half that at m > 8, where x and the reduction cost
+  // more per warp), blocks of 8 warps, at least 256 rows of k per warp; and
+  // at m > 8 the Marlin kernel for deep layers (k > 4096), where it won.
+  if (m > 8 && k > 4096) return {};
   const int64_t chunks = n / kChunk;
+  const double target = (m > 8 ? 7.0 : 14.0) * sms / double(chunks);  // warps per chunk
   DecodeConfig best;
   double best_cost = 0;
-  for (int cw : {4, 2, 1})
-    for (int kw : {1, 2, 4})
+  for (int cw : {8, 4, 2, 1})
+    for (int kw : {8, 4, 2, 1})
       for (int s = 1; s <= kMaxCluster; s++) {
-        DecodeConfig c{cw, kw, s};
+        const DecodeConfig c{cw, kw, s};
         if (!config_fits(c, m, n, k, group_size)) continue;
-        const int64_t warps = chunks * s * kw, blocks = chunks / cw * s;
-        const int64_t k_warp = k / (s * kw);
-        const double per_sm = double(warps) / sms;
-        double cost = per_sm < 12 ? 12 / per_sm : 1.0;  // too few warps: latency-bound
-        if (k_warp < 256) cost *= 1.0 + (256.0 - k_warp) / 256;
-        if (blocks < sms) cost *= 1.5;
-        cost *= 1.0 + 0.01 * s * kw;  // reduction
-        if (s > 8) cost *= 1.3;       // non-portable clusters: only when x needs them
+        const int64_t splits = int64_t(kw) * s;
+        double cost = std::abs(std::log(splits / target));
+        if (k / splits < 256) cost += 1.0;
+        if (cw * kw != 8) cost += 0.15;
+        if (s > 8) cost += 0.3;  // non-portable clusters
         if (!best.valid() || cost < best_cost) best = c, best_cost = cost;
       }
   return best;

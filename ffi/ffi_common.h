@@ -7,7 +7,7 @@
 //   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
 //   -> y      f16|bf16 [..., n]
 //   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA)
-//   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n)] fp32 partial sums
+//   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n, k)] fp32 partial sums
 //                      handed between thread blocks (CUDA)
 //   attrs: group_size (i64), poison_output (bool: fill y with NaN first, so
 //          tests see any element the kernel fails to write)
@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "marlin_problem.h"
+#include "scratch_sizes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_marlin {
@@ -89,9 +90,9 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   if (static_cast<int64_t>(workspace.element_count()) < marlin::workspace_size(m, n))
     return invalid("workspace holds " + s(workspace.element_count()) + " int32, needs " +
                    s(marlin::workspace_size(m, n)));
-  if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n))
+  if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n, k))
     return invalid("reduce_scratch holds " + s(reduce_scratch.element_count()) +
-                   " float32, needs " + s(marlin::reduce_scratch_size(m, n)));
+                   " float32, needs " + s(marlin::reduce_scratch_size(m, n, k)));
   return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, bd[0] == n};
 }
 

@@ -13,29 +13,36 @@
 
 #include "decode_kernel.h"
 #include "marlin_launch.h"
+#include "prefill_sm90.h"
 
 namespace marlin {
 namespace {
 
-// JAX_MARLIN_DECODE: unset or "1" lets m <= 16 run on the decode kernel on
-// sm_90, "0" keeps every m on the Marlin kernel, "cw,kw,s" forces a decode
-// configuration (benchmarks). JAX_MARLIN_PDL=0 turns programmatic dependent
-// launch off. Read once per process.
-struct DecodePolicy {
-  bool enabled = true;
+// Which kernels the launcher may pick on sm_90, for measurements against the
+// Marlin kernel: JAX_MARLIN_DECODE=0 keeps m <= 16 off the decode kernel, and
+// "cw,kw,s" forces a decode configuration; JAX_MARLIN_PREFILL=0 keeps m >= 64
+// off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode kernel's
+// programmatic dependent launch off. Read once per process.
+struct KernelPolicy {
+  bool decode = true;
+  bool prefill = true;
   bool pdl = true;
   DecodeConfig forced;
 };
 
-const DecodePolicy &decode_policy() {
-  static const DecodePolicy policy = [] {
-    DecodePolicy p;
-    if (const char *v = std::getenv("JAX_MARLIN_DECODE")) {
-      if (std::string(v) == "0") p.enabled = false;
-      else if (std::sscanf(v, "%d,%d,%d", &p.forced.cw, &p.forced.kw, &p.forced.s) != 3)
+const KernelPolicy &kernel_policy() {
+  static const KernelPolicy policy = [] {
+    KernelPolicy p;
+    auto off = [](const char *name) {
+      const char *v = std::getenv(name);
+      return v && std::string(v) == "0";
+    };
+    p.decode = !off("JAX_MARLIN_DECODE");
+    p.prefill = !off("JAX_MARLIN_PREFILL");
+    p.pdl = !off("JAX_MARLIN_PDL");
+    if (const char *v = std::getenv("JAX_MARLIN_DECODE"))
+      if (std::sscanf(v, "%d,%d,%d", &p.forced.cw, &p.forced.kw, &p.forced.s) != 3)
         p.forced = DecodeConfig{};
-    }
-    if (const char *v = std::getenv("JAX_MARLIN_PDL")) p.pdl = std::string(v) != "0";
     return p;
   }();
   return policy;
@@ -93,27 +100,31 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
     return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
            std::to_string(info.major) + "." + std::to_string(info.minor);
 
-  // Decode batch sizes on Hopper: one launch of the decode kernel, which
-  // needs neither the locks nor the scratch.
-  const DecodePolicy &policy = decode_policy();
-  if (info.major >= 9 && m <= kDecodeMaxM && policy.enabled) {
+  // On Hopper, decode batch sizes run on the decode kernel (one launch, no
+  // scratch) where it was measured faster, and batches of 64 rows and more
+  // on the wgmma prefill kernel.
+  const KernelPolicy &policy = kernel_policy();
+  if (info.major == 9 && m <= kDecodeMaxM && policy.decode) {
     const DecodeConfig config = policy.forced.valid()
                                     ? policy.forced
                                     : choose_decode_config(m, n, k, group_size, info.sms);
     if (config.valid())
       return decode_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, config, policy.pdl, stream);
   }
+  if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
+    return prefill_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, workspace, reduce_scratch,
+                          stream);
 
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32
   // scratch needs no initial value: the first block of a tile writes it.
-  if (cudaError_t error = cudaMemsetAsync(workspace, 0, workspace_size(m, n) * sizeof(int), stream))
+  if (cudaError_t error = cudaMemsetAsync(workspace, 0, marlin_locks_size(m, n) * sizeof(int), stream))
     return cuda_error("cudaMemsetAsync", error);
 
   const ThreadConfig &config = *choose_config(m, n, k);
   const int group_blocks = group_size == -1 ? -1 : int(group_size / kTile);
   // One thread block per SM, at most kMaxBlocks: the slot reduction gives
-  // each block a slot of the scratch (reduce_scratch_size).
+  // each block a slot of the scratch (marlin_scratch_size).
   LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                static_cast<int4 *>(C), reduce_scratch, static_cast<const int4 *>(s),
                static_cast<const int4 *>(bias), 0, int(n), int(k), workspace,

@@ -110,7 +110,7 @@ struct TileShape {
 
   static_assert(threads % 32 == 0 && threads >= 128, "at least 4 whole warps");
   static_assert(thread_m_blocks >= 1 && thread_m_blocks <= 4, "m tile of 16..64 rows");
-  static_assert(16 * thread_n_blocks <= kMaxThreadN, "reduce_scratch_size sizes slots for this n tile");
+  static_assert(16 * thread_n_blocks <= kMaxThreadN, "marlin_scratch_size sizes slots for this n tile");
   static_assert(thread_n_blocks % 4 == 0, "warps own n in steps of 64 columns");
   static_assert((threads / 32) % (thread_n_blocks / 4) == 0,
                 "warps must split evenly over n, then k");
@@ -390,7 +390,7 @@ __global__ void
 Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
        const int4 *__restrict__ B, // 4bit quantized weight matrix of shape kxn
        int4 *__restrict__ C,       // output buffer of shape mxn
-       float *__restrict__ C_tmp,  // fp32 partial sums, reduce_scratch_size(m, n)
+       float *__restrict__ C_tmp,  // fp32 partial sums, marlin_scratch_size(m, n)
        const int4
            *__restrict__ s, // quantization scales of shape (k/groupsize)xn
        const int4 *__restrict__ bias, // [n] added to the output, or null

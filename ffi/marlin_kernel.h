@@ -19,7 +19,7 @@ namespace marlin {
 
 // Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s;
 // it is zeroed on the stream before the first launch. `reduce_scratch` holds
-// reduce_scratch_size(m, n) floats (no initial value needed): thread blocks
+// reduce_scratch_size(m, n, k) floats (no initial value needed): thread blocks
 // that share an output tile sum their partial results there in fp32. Returns
 // an empty string on success, otherwise a description of the failure
 // (nothing is thrown).

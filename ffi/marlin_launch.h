@@ -26,11 +26,11 @@ struct LaunchArgs {
   const int4 *A;     // [m, k] activations
   const int4 *B;     // [k / 16, 2 n] packed weight
   int4 *C;           // [m, n] output
-  float *C_tmp;      // reduce_scratch_size(m, n) fp32 partial sums
+  float *C_tmp;      // marlin_scratch_size(m, n) fp32 partial sums
   const int4 *s;     // scales
   const int4 *bias;  // [n] or null
   int m, n, k;
-  int *locks;        // workspace_size(m, n), zero at launch
+  int *locks;        // marlin_locks_size(m, n), zero at launch
   int blocks;        // grid size: one block per SM
   int max_shared;    // opt-in shared memory per block on this device, bytes
   int device;

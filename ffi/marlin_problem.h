@@ -66,7 +66,7 @@ inline const ThreadConfig *choose_config(int64_t m, int64_t n, int64_t k) {
 // int32 lock counters the kernel needs for an [m, n] output: one per (16-row
 // block, 64-column slice) of its largest launch (at most kMaxPar blocks of 64
 // rows), as the global reduction hands over each 16-row block separately.
-inline int64_t workspace_size(int64_t m, int64_t n) {
+inline int64_t marlin_locks_size(int64_t m, int64_t n) {
   const int64_t row_blocks = (m + kTile - 1) / kTile;
   return n / kMinThreadN * (row_blocks < 4 * kMaxPar ? row_blocks : 4 * kMaxPar);
 }
@@ -76,7 +76,7 @@ inline int64_t workspace_size(int64_t m, int64_t n) {
 // chain through one 16 x n tile, one per column slice; launches of 32..64-row
 // tiles give each thread block a slot of one output tile (at most 64 x kMaxThreadN).
 // Launches run one after another on the stream and reuse it.
-inline int64_t reduce_scratch_size(int64_t m, int64_t n) {
+inline int64_t marlin_scratch_size(int64_t m, int64_t n) {
   const int64_t row_blocks = (m + kTile - 1) / kTile;
   const int64_t slot = kTile * (row_blocks < 4 ? row_blocks : 4) * kMaxThreadN;
   const int64_t slots = row_blocks >= 2 ? kMaxBlocks * slot : 0;

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "marlin_problem.h"
+#include "scratch_sizes.h"
 #include "xla/ffi/api/api.h"
 
 namespace nb = nanobind;
@@ -56,9 +57,9 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
       nb::arg("m"), nb::arg("n"), nb::arg("k"),
       "(thread_k, thread_n, threads) of the tile the launcher runs [m, k] x [k, n] with, or None.");
   m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
-        "int32 lock counters the CUDA kernel needs for an [m, n] output.");
+        "int32 counters a CUDA call needs for an [m, n] output.");
   m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),
-        "float32 partial sums the CUDA kernel hands between thread blocks for [m, n].");
+        nb::arg("k"), "float32 partial sums a CUDA call hands between thread blocks for [m, k] x [k, n].");
   m.def(
       "check_group_size",
       [](int64_t g) { return marlin::is_group_size(g) ? std::string() : marlin::group_size_error(g); },

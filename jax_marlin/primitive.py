@@ -46,10 +46,9 @@ def _lowering(ctx, x, qweight, scales, bias, *, k, n, group_size, poison_output)
     # (no allocation in the handler), which keeps the call capturable into a
     # CUDA graph. They stay out of the primitive's abstract value, so batching
     # and partitioning rules deal with y alone.
-    del k
     m = int(np.prod(ctx.avals_in[0].shape[:-1], dtype=np.int64))
     workspace = ShapedArray((shapes.workspace_size(m, n),), jnp.int32)
-    scratch = ShapedArray((shapes.reduce_scratch_size(m, n),), jnp.float32)
+    scratch = ShapedArray((shapes.reduce_scratch_size(m, n, k),), jnp.float32)
     rule = jax.ffi.ffi_lowering(_ffi.MATMUL_TARGET)
     y, _, _ = rule(ctx.replace(avals_out=[*ctx.avals_out, workspace, scratch]), x, qweight,
                    scales, bias, group_size=group_size, poison_output=bool(poison_output))

@@ -44,13 +44,13 @@ def num_groups(k: int, group_size: int) -> int:
 
 
 def workspace_size(m: int, n: int) -> int:
-    """int32 lock counters the CUDA kernel needs for an ``[m, n]`` output."""
+    """int32 counters a CUDA call needs for an ``[m, n]`` output (whichever kernel runs it)."""
     return rules.workspace_size(m, n)
 
 
-def reduce_scratch_size(m: int, n: int) -> int:
-    """float32 partial sums the CUDA kernel hands between thread blocks for ``[m, n]``."""
-    return rules.reduce_scratch_size(m, n)
+def reduce_scratch_size(m: int, n: int, k: int) -> int:
+    """float32 partial sums a CUDA call hands between thread blocks for ``[m, k] x [k, n]``."""
+    return rules.reduce_scratch_size(m, n, k)
 
 
 def _check_ints(**values) -> None:

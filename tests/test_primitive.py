@@ -385,7 +385,7 @@ def test_handler_rechecks_buffers(rng):
     w = jm.quantize(random_weight(rng, 1024, 512), group_size=128)
     x = jnp.asarray(activations(rng, "float16", 4, 1024))
     no_bias = jnp.zeros((0,), jnp.float16)
-    ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512)
+    ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512, 1024)
     assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
     assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
 

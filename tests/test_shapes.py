@@ -21,18 +21,29 @@ def test_rules_come_from_the_compiled_module():
     if _ffi.HAS_CUDA:  # both builds export the same rules
         cuda = _ffi._marlin_cuda
         assert cuda.TILES == _ffi.rules.TILES and cuda.GROUP_SIZES == _ffi.rules.GROUP_SIZES
-        assert cuda.reduce_scratch_size(100, 4096) == _ffi.rules.reduce_scratch_size(100, 4096)
+        assert (cuda.reduce_scratch_size(100, 4096, 8192) ==
+                _ffi.rules.reduce_scratch_size(100, 4096, 8192))
 
 
-@pytest.mark.parametrize("m", [0, 1, 16, 17, 64, 65, 1024, 5000])
+@pytest.mark.parametrize("m", [0, 1, 16, 17, 63, 64, 65, 1024, 5000])
 @pytest.mark.parametrize("n", [64, 4096])
 def test_scratch_sizes(m, n):
-    # One lock per 16-row block (at most 64 of them) and 64 columns; fp32
-    # scratch of one 16 x n tile, or of 256 block slots of a <= 64 x 256 tile.
+    # The Marlin kernel: one lock per 16-row block (at most 64 of them) and 64
+    # columns; fp32 scratch of one 16 x n tile, or of 256 block slots of a
+    # <= 64 x 256 tile. From 64 rows on the prefill kernel may run instead:
+    # one counter per 64 x 128 output tile, and the fp32 partial sums of its
+    # largest k split.
+    k = 8192
     row_blocks = -(-m // 16)
-    assert shapes.workspace_size(m, n) == n // 64 * min(row_blocks, 64)
+    locks = n // 64 * min(row_blocks, 64)
     slots = 256 * 16 * min(row_blocks, 4) * 256 if row_blocks >= 2 else 0
-    assert shapes.reduce_scratch_size(m, n) == max(slots, 16 * n)
+    scratch = max(slots, 16 * n)
+    if m < 64:
+        assert shapes.workspace_size(m, n) == locks
+        assert shapes.reduce_scratch_size(m, n, k) == scratch
+    else:
+        assert shapes.workspace_size(m, n) == max(locks, -(-m // 64) * -(-n // 128))
+        assert shapes.reduce_scratch_size(m, n, k) >= scratch
 
 
 @pytest.mark.parametrize("k,n,group_size,match", [

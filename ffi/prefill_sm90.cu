@@ -1,0 +1,264 @@
+// The launcher of the Hopper prefill kernel (prefill_sm90.cuh): checks the
+// problem and the device, picks the m tile and k split, builds the TMA tensor
+// map of the activations and launches one instantiation.
+#include "prefill_sm90.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "marlin_launch.h"
+#include "prefill_sm90.cuh"
+
+namespace marlin {
+namespace {
+
+struct PrefillDevice {
+  cudaError_t error = cudaSuccess;
+  int sms = 0;
+  int major = 0;
+  int minor = 0;
+  int max_shared = 0;
+};
+
+const PrefillDevice &prefill_device(int device) {
+  static std::once_flag once[kMaxDevices];
+  static PrefillDevice info[kMaxDevices];
+  std::call_once(once[device], [device] {
+    PrefillDevice &d = info[device];
+    (d.error = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.max_shared,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  });
+  return info[device];
+}
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded, so that the
+// library does not link libcuda itself.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(std::string *why) {
+  static std::once_flag once;
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                     cudaEnableDefault, &found);
+    if (e != cudaSuccess)
+      error = cuda_error("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", e);
+    else if (found != cudaDriverEntryPointSuccess || !fn)
+      error = "jax_marlin: the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)";
+    else
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  *why = error;
+  return encode;
+}
+
+// The activations [m, k] as TMA sees them: k innermost, boxes of 64 k x
+// block_m rows, 128-byte swizzle (prefill_sm90.cuh: the wgmma B layout); rows
+// past m read as zeros.
+std::string encode_a_map(CUtensorMap *map, const void *A, int64_t m, int64_t k, int block_m,
+                         bool bf16) {
+  std::string why;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(&why);
+  if (!encode) return why;
+  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(m)};
+  const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kPrefillBlockK), cuuint32_t(block_m)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUtensorMapDataType type =
+      bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUresult r = encode(map, type, 2, const_cast<void *>(A), dims, strides, box, element_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return "jax_marlin: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
+           ") for A [" + std::to_string(m) + ", " + std::to_string(k) + "]";
+  return {};
+}
+
+template <typename scalar_t, int block_m, int block_n, int group_size>
+std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, int device,
+                   int max_shared, cudaStream_t stream) {
+  constexpr int bytes = prefill::Smem<block_m, block_n>::bytes;
+  auto *kernel = prefill::prefill_kernel<scalar_t, block_m, block_n, group_size>;
+  if (bytes > max_shared)
+    return "jax_marlin: the prefill tile needs " + std::to_string(bytes) +
+           " bytes of shared memory per block, the device allows " + std::to_string(max_shared);
+  // Once per device: the image the device runs must be an sm_90 one (a build
+  // without sm_90a would run an sm_80 image, whose body has no wgmma; a
+  // compute_90 image without the "a" traps), and the shared memory limit raised.
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t attr_error[kMaxDevices];
+  static int image[kMaxDevices];
+  std::call_once(once[device], [&] {
+    cudaFuncAttributes attr;
+    attr_error[device] = cudaFuncGetAttributes(&attr, kernel);
+    if (!attr_error[device]) {
+      image[device] = attr.binaryVersion;
+      attr_error[device] =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    }
+  });
+  if (attr_error[device]) return cuda_error("cudaFuncSetAttribute", attr_error[device]);
+  if (image[device] != 90)
+    return "jax_marlin: the prefill kernel was not built for sm_90a (the device runs an sm_" +
+           std::to_string(image[device]) +
+           " image); build with -gencode=arch=compute_90a,code=sm_90a";
+  const dim3 grid((args.m + block_m - 1) / block_m, (args.n + block_n - 1) / block_n, args.splits);
+  kernel<<<grid, prefill::kThreads, bytes, stream>>>(map, args);
+  if (cudaError_t error = cudaGetLastError()) return cuda_error("prefill kernel launch", error);
+  return {};
+}
+
+template <typename scalar_t, int block_m, int block_n>
+std::string launch_group(int64_t group_size, const CUtensorMap &map,
+                         const prefill::Args<scalar_t> &args, int device, int max_shared,
+                         cudaStream_t stream) {
+  switch (group_size) {
+    case 32: return launch<scalar_t, block_m, block_n, 32>(map, args, device, max_shared, stream);
+    case 64: return launch<scalar_t, block_m, block_n, 64>(map, args, device, max_shared, stream);
+    case 128: return launch<scalar_t, block_m, block_n, 128>(map, args, device, max_shared, stream);
+    default: return launch<scalar_t, block_m, block_n, -1>(map, args, device, max_shared, stream);
+  }
+}
+
+template <int m, int n> struct Tile {
+  static constexpr int first = m, second = n;
+};
+
+// The tiles of kPrefillTiles.
+template <typename scalar_t>
+std::string launch_tile(const PrefillConfig &config, int64_t group_size, const CUtensorMap &map,
+                        const prefill::Args<scalar_t> &args, int device, int max_shared,
+                        cudaStream_t stream) {
+  auto group = [&](auto tile) {
+    constexpr int block_m = decltype(tile)::first, block_n = decltype(tile)::second;
+    return launch_group<scalar_t, block_m, block_n>(group_size, map, args, device, max_shared,
+                                                    stream);
+  };
+  switch (config.block_m * 1000 + config.block_n) {
+    case 64128: return group(Tile<64, 128>{});
+    case 128128: return group(Tile<128, 128>{});
+    case 256128: return group(Tile<256, 128>{});
+    case 64256: return group(Tile<64, 256>{});
+    default: return group(Tile<128, 256>{});
+  }
+}
+
+}  // namespace
+
+// Relative cost (in SM cycles) of a launch: waves of thread blocks times the
+// cost of one block, k stages times the cost of a stage plus the pipeline's
+// fill and epilogue (and the fp32 partial sums of a split). A stage costs the
+// most of its tensor-core time (the two warpgroups' wgmmas: 4 block_m cycles
+// per 128 columns), its L2 traffic (A tile and weights, at about 28 bytes per
+// cycle and SM) and its HBM traffic (weights, about 20 bytes per cycle and
+// SM), plus 40 cycles of overhead. A start for a table measured per shape.
+PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms) {
+  const int64_t k_tiles = k / kPrefillBlockK;
+  PrefillConfig best = kPrefillTiles[0];
+  double best_cost = -1;
+  for (const PrefillConfig &t : kPrefillTiles) {
+    if (t.block_m > 64 && m <= t.block_m / 2) continue;  // a smaller m tile covers m
+    const int64_t tiles = prefill_tiles(m, n, t.block_m, t.block_n);
+    const int max_splits = prefill_max_splits(m, n, k, t.block_m, t.block_n);
+    const double tensor = 4.0 * t.block_m * t.block_n / 128;
+    const double l2 = (128.0 * t.block_m + 32.0 * t.block_n) / 28;
+    const double hbm = 32.0 * t.block_n / 20;
+    const double stage = std::max(tensor, std::max(l2, hbm)) + 40;
+    for (int splits = 1; splits <= max_splits; ++splits) {
+      const int64_t waves = (tiles * splits + sms - 1) / sms;
+      const int64_t stage_iters = (k_tiles + splits - 1) / splits;
+      const double cost = double(waves) * (stage_iters * stage + 3000 + (splits > 1 ? 1000 : 0));
+      if (best_cost < 0 || cost < 0.97 * best_cost) {
+        best = {t.block_m, t.block_n, splits};
+        best_cost = cost;
+      }
+    }
+  }
+  return best;
+}
+
+std::string prefill_matmul_config(const PrefillConfig &config, const void *A, const void *B,
+                                  const void *s, const void *bias, void *C, int64_t m, int64_t n,
+                                  int64_t k, int64_t group_size, bool bf16, int *counters,
+                                  float *partials, cudaStream_t stream) {
+  auto str = [](int64_t v) { return std::to_string(v); };
+  if (!is_group_size(group_size))
+    return "jax_marlin: group_size must be -1, 32, 64 or 128, got " + str(group_size);
+  if (m < 0 || k <= 0 || n <= 0 || k % 64 || n % 64 || (group_size != -1 && k % group_size))
+    return "jax_marlin: the prefill kernel needs k, n multiples of 64 and k of the group "
+           "size, got m = " + str(m) + ", k = " + str(k) + ", n = " + str(n) +
+           ", group_size = " + str(group_size);
+  if (k * n / 8 >= (int64_t(1) << 31) || m >= (int64_t(1) << 31) || k >= (int64_t(1) << 31))
+    return "jax_marlin: problem too large for the prefill kernel's 32-bit indices";
+  bool built = false;
+  for (const PrefillConfig &t : kPrefillTiles)
+    built |= t.block_m == config.block_m && t.block_n == config.block_n;
+  if (!built)
+    return "jax_marlin: no prefill tile of " + str(config.block_m) + " x " + str(config.block_n);
+  const int max_splits = prefill_max_splits(m, n, k, config.block_m, config.block_n);
+  if (config.splits < 1 || config.splits > max_splits)
+    return "jax_marlin: prefill splits = " + str(config.splits) + " outside 1.." + str(max_splits);
+  if (m == 0) return {};
+  for (const void *p : {A, B, s})
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      return "jax_marlin: the prefill kernel needs A, B and s 16-byte aligned";
+  if (config.splits > 1 && (!counters || !partials))
+    return "jax_marlin: a split prefill launch needs counters and partials";
+
+  int device;
+  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
+  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
+  const PrefillDevice &info = prefill_device(device);
+  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
+  if (info.major != 9 || info.minor != 0)
+    return "jax_marlin: the prefill kernel needs compute capability 9.0 (sm_90a), this "
+           "device has " + str(info.major) + "." + str(info.minor);
+
+  CUtensorMap map;
+  if (std::string why = encode_a_map(&map, A, m, k, config.block_m, bf16); !why.empty()) return why;
+  if (config.splits > 1)
+    if (cudaError_t error = cudaMemsetAsync(
+            counters, 0, prefill_tiles(m, n, config.block_m, config.block_n) * sizeof(int), stream))
+      return cuda_error("cudaMemsetAsync", error);
+
+  const int mi = int(m), ni = int(n), ki = int(k);
+  if (bf16) {
+    prefill::Args<nv_bfloat16> args{static_cast<const uint32_t *>(B),
+                                    static_cast<const nv_bfloat16 *>(s),
+                                    static_cast<const nv_bfloat16 *>(bias),
+                                    static_cast<nv_bfloat16 *>(C), partials, counters, mi, ni, ki,
+                                    config.splits};
+    return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
+  }
+  prefill::Args<half> args{static_cast<const uint32_t *>(B), static_cast<const half *>(s),
+                           static_cast<const half *>(bias), static_cast<half *>(C), partials,
+                           counters, mi, ni, ki, config.splits};
+  return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
+}
+
+std::string prefill_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
+                           int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
+                           int *counters, float *partials, cudaStream_t stream) {
+  if (std::string why = check_problem(m, n, k, group_size); !why.empty())
+    return "jax_marlin: " + why;
+  if (m == 0) return {};
+  int device;
+  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
+  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
+  const PrefillDevice &info = prefill_device(device);
+  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
+  return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, bias, C, m, n, k,
+                               group_size, bf16, counters, partials, stream);
+}
+
+}  // namespace marlin

@@ -1,0 +1,42 @@
+// Plain C++ interface of the Hopper (sm_90a) prefill kernel: the Marlin
+// FP16/BF16 x INT4 GEMM for batches of 64 rows and more, on wgmma tensor cores
+// (no XLA, no Python).
+//
+//   C[m, n] = A[m, k] @ dequant(B, s) + bias     A, C: fp16 or bf16, row-major
+//
+// It reads the same packed weight as the Marlin kernel (marlin_kernel.h): B int32
+// [k / 16, 2 n] and s [k / group_size, n] (or [1, n]) in Marlin's permuted
+// order, as jax_marlin/packing.py writes them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "prefill_rules.h"
+
+namespace marlin {
+
+// The configuration for a problem on a device with `sms` multiprocessors: a
+// cost model of waves of thread blocks times k stages per block
+// (prefill_sm90.cu), a start for a table measured per shape.
+PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms);
+
+// Launches C = A @ dequant(B, s) + bias on `stream` with the chosen
+// configuration. `counters` holds prefill_counters_size(m, n) int32s and
+// `partials` prefill_partials_size(m, n, k) floats (no initial values needed).
+// A, B, s must be 16-byte aligned. Returns an empty string on success,
+// otherwise a description of the failure (nothing is thrown).
+std::string prefill_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
+                           int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
+                           int *counters, float *partials, cudaStream_t stream);
+
+// The same with a given configuration (for measurements and tests). It runs
+// any m >= 1 and any k, n that are multiples of 64 (k of the group size).
+std::string prefill_matmul_config(const PrefillConfig &config, const void *A, const void *B,
+                                  const void *s, const void *bias, void *C, int64_t m, int64_t n,
+                                  int64_t k, int64_t group_size, bool bf16, int *counters,
+                                  float *partials, cudaStream_t stream);
+
+}  // namespace marlin

@@ -1,0 +1,30 @@
+// The scratch buffers of one call, whichever kernel the CUDA launcher picks
+// for it (the Marlin kernel, the decode kernel, which needs none, or the
+// prefill kernel): XLA allocates them as extra results of the custom call, so
+// their sizes must be known at trace time. Plain C++: the CPU build exports
+// them to Python as well.
+#pragma once
+
+#include <cstdint>
+
+#include "marlin_problem.h"
+#include "prefill_rules.h"
+
+namespace marlin {
+
+// int32 counters: the Marlin kernel's locks or the prefill kernel's per-tile
+// arrival counters (the launcher zeroes them on the stream).
+inline int64_t workspace_size(int64_t m, int64_t n) {
+  const int64_t locks = marlin_locks_size(m, n);
+  const int64_t counters = m >= kPrefillMinM ? prefill_counters_size(m, n) : 0;
+  return locks > counters ? locks : counters;
+}
+
+// float32 partial sums handed between thread blocks that share output tiles.
+inline int64_t reduce_scratch_size(int64_t m, int64_t n, int64_t k) {
+  const int64_t marlin = marlin_scratch_size(m, n);
+  const int64_t prefill = m >= kPrefillMinM ? prefill_partials_size(m, n, k) : 0;
+  return marlin > prefill ? marlin : prefill;
+}
+
+}  // namespace marlin
