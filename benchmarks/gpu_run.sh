@@ -8,17 +8,19 @@
 #   sanitize  compute-sanitizer ($SANITIZE_TOOL, default memcheck) over tests/sanitize_cases.py
 #   quick     bench_matmul.py --quick: 3 layers x m in {1, 16, 64}
 #   sweep     the README's sweep: every layer x m in {1 .. 1024} x jax_marlin fp16/bf16 g128,
-#             xla_fp16, xla_int4 -> $OUT/sweep.json ($SWEEP_LAYERS: a subset; the records of
-#             earlier runs into the same file are kept, so a sweep can be split over calls)
-#   report    tables and plot from $OUT/sweep.json, and the README's table (README.md)
+#             xla_fp16, xla_int4 -> gpu-out/sweep.json ($SWEEP_LAYERS: a subset; the records
+#             of earlier runs into the same file are kept, so a sweep can be split over calls)
+#   report    tables and plot from gpu-out/sweep.json, and the README's table (README.md)
 #   ab        kernel_bench.cu (no JAX) on fp16 g128: this tree against the ffi/ of $AB_SRC
 #             (another source tree, e.g. `git worktree add /tmp/base main`), built side by
 #             side and run in turns ($AB_CASES: m:k:n cases, $AB_ROUNDS rounds)
 #
-# Logs and results go to $OUT (default ./gpu-out).
+# Logs and results go to gpu-out/ (ignored by git, so it survives between calls on one
+# machine) and, at the end, are copied to $OUT when that is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
+COPY_TO=${OUT:-}
+OUT=$PWD/gpu-out
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=${*:-build tests quick}
@@ -92,5 +94,8 @@ if has ab; then
         || status=1
     done
   done 2>&1 | tee "$OUT/ab.log"
+fi
+if [ -n "$COPY_TO" ] && [ "$COPY_TO" != "$OUT" ]; then
+  mkdir -p "$COPY_TO" && cp -r "$OUT"/. "$COPY_TO"/
 fi
 exit $status

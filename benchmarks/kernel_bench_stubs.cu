@@ -1,4 +1,4 @@
-// For kernel_ab.sh G128_ONLY=1: every (element type, group size) slice of the
+// For gpu_run.sh ab (fp16 g128 only): every (element type, group size) slice of the
 // kernels except fp16 with group size 128, as stubs that refuse to launch, so
 // that a variant build compiles one instance file instead of eight
 // (kernel_bench times fp16 g128 only).

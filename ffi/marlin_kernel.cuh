@@ -7,10 +7,10 @@
  * The kernel is "upstream Marlin": the Marlin kernel of Elias Frantar
  * (IST-DASLab/marlin, Copyright (C) Marlin.2024 Elias Frantar), as modified
  * by Neural Magic; see NOTICE at the top of this repository. Changes in this
- * port: no torch, errors returned instead of
- * thrown, compile-time checks of every launched configuration, shared memory
- * sized per configuration, the L2 evict-first hint for weights restored, and a
- * launcher that only reaches configurations the kernel can run. Formats added
+ * port: no torch, errors returned instead of thrown, compile-time checks of
+ * every launched configuration, shared memory sized per configuration, the L2
+ * evict-first hint for weights behind a flag, and a launcher that only reaches
+ * the configurations of marlin_problem.h's tile table. Formats added
  * here: bf16 activations and scales, groups of 32 and 64 rows (several scale
  * rows per k tile), a bias in the epilogue, and the cross-block reduction in
  * fp32 in a scratch buffer instead of fp16 in the output.

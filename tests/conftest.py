@@ -13,6 +13,15 @@ import pytest
 
 import jax_marlin as jm
 
+#: Shapes the kernel runs only padded, with their padded shapes per group size
+#: (k_pad a multiple of 64 and of the group, n_pad of 64, one of them of 128).
+ODD = {
+    (576, 192): {-1: (640, 192), 32: (640, 192), 64: (640, 192), 128: (640, 192)},
+    (576, 1000): {-1: (576, 1024), 32: (576, 1024), 64: (576, 1024), 128: (640, 1024)},
+    (1000, 576): {-1: (1024, 576), 32: (1024, 576), 64: (1024, 576), 128: (1024, 576)},
+    (4100, 130): {-1: (4224, 192), 32: (4224, 192), 64: (4224, 192), 128: (4224, 192)},
+}
+
 #: Unit roundoff of float16: rounding one value to fp16 changes it by at most
 #: this much relative to itself, so an fp16 output of an otherwise exact
 #: product has ||y - ref|| / ||ref|| <= FP16_U.

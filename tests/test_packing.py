@@ -10,20 +10,12 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
-from conftest import random_weight
+from conftest import ODD, random_weight
 
 SHAPES = [(64, 128), (128, 64), (256, 256), (384, 192), (1024, 512)]
 GROUP_SIZES = (-1, 32, 64, 128)
 # (k, n, group_size) with k a multiple of the group: shapes the kernel runs unpadded
 LAYERS = [(k, n, g) for k, n in SHAPES for g in GROUP_SIZES if g == -1 or k % g == 0]
-# Shapes the kernel runs only padded, with their padded shapes per group size
-# (k_pad a multiple of 64 and of the group, n_pad of 64, one of them of 128).
-ODD = {
-    (576, 192): {-1: (640, 192), 32: (640, 192), 64: (640, 192), 128: (640, 192)},
-    (576, 1000): {-1: (576, 1024), 32: (576, 1024), 64: (576, 1024), 128: (640, 1024)},
-    (1000, 576): {-1: (1024, 576), 32: (1024, 576), 64: (1024, 576), 128: (1024, 576)},
-    (4100, 130): {-1: (4224, 192), 32: (4224, 192), 64: (4224, 192), 128: (4224, 192)},
-}
 
 
 # --- the layout, stated independently -----------------------------------------
@@ -162,47 +154,7 @@ def test_scale_dtype_follows_the_weight(rng):
         jm.quantize(weight, dtype=np.float32)
 
 
-# --- padding: any [k, n] ----------------------------------------------------------
-
-
-def _padded_shape_by_search(k, n, group_size):
-    """The runnable (k', n') >= (k, n) with the fewest elements, by trying them all."""
-    def runs(kk, nn):
-        try:
-            jm.shapes.check_layer(kk, nn, group_size)
-            return True
-        except ValueError:
-            return False
-    candidates = [(kk * nn, kk, nn) for kk in range(k, k + 257) for nn in range(n, n + 193)
-                  if kk % 64 == 0 and nn % 64 == 0 and runs(kk, nn)]
-    return min(candidates)
-
-
-@pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_padded_shape_is_the_smallest_that_runs(group_size):
-    for k in range(1, 700, 37):
-        for n in range(1, 700, 41):
-            k_pad, n_pad = jm.padded_shape(k, n, group_size)
-            elements, *_ = _padded_shape_by_search(k, n, group_size)
-            assert k_pad >= k and n_pad >= n and k_pad * n_pad == elements, (k, n)
-            jm.shapes.check_layer(k_pad, n_pad, group_size)
-    for (k, n), padded in ODD.items():
-        assert jm.padded_shape(k, n, group_size) == padded[group_size]
-    # Aligned shapes cost nothing; on a tie n is padded (x stays as it is).
-    for k, n, g in LAYERS + [(4096, 11008, 128), (28672, 8192, 32)]:
-        assert jm.padded_shape(k, n, g) == (k, n)
-    assert jm.padded_shape(192, 192, -1) == (192, 256)
-
-
-def test_padded_shape_bad_input():
-    with pytest.raises(ValueError, match="group_size = 96"):
-        jm.padded_shape(128, 128, 96)
-    with pytest.raises(ValueError, match=r"\[0, 128\] must be positive"):
-        jm.padded_shape(0, 128, 128)
-    with pytest.raises(ValueError, match="32-bit offsets"):
-        jm.padded_shape(2**17, 2**17, 128)
-    with pytest.raises(TypeError, match="k must be an int"):
-        jm.padded_shape(128.0, 128, 128)
+# --- padding: any [k, n] (the padded shapes themselves: tests/test_shapes.py) ------
 
 
 @pytest.mark.parametrize("group_size", GROUP_SIZES)

@@ -26,7 +26,7 @@ from jax_marlin.partitioning import shard_weight, weight_specs
 # after the all-reduce rounds once more (at most u).
 K_TOL = 2 * FP16_U
 K_TOLS = {np.dtype(np.float16): 3 * FP16_U, np.dtype(jnp.bfloat16): 3 * BF16_U}
-# Unsharded rows or columns: the kernel's own single rounding (test_matmul.py).
+# Unsharded rows or columns: the kernel's own single rounding (test_ops.py).
 TOLS = {np.dtype(np.float16): FP16_U + 1e-5, np.dtype(jnp.bfloat16): BF16_U + 1e-5}
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

@@ -9,7 +9,14 @@ import textwrap
 import pytest
 
 import jax_marlin as jm
+from conftest import ODD
 from jax_marlin import _ffi, shapes
+
+GROUP_SIZES = (-1, 32, 64, 128)
+# Shapes the kernel runs as they are.
+ALIGNED = [(k, n, g) for k, n in [(64, 128), (128, 64), (256, 256), (384, 192), (1024, 512),
+                                  (4096, 11008)]
+           for g in GROUP_SIZES if g == -1 or k % g == 0] + [(28672, 8192, 32)]
 
 
 def test_rules_come_from_the_compiled_module():
@@ -66,6 +73,49 @@ def test_check_operands_limits_m():
     with pytest.raises(ValueError, match=r"m = 2147483648 rows of x are too many"):
         shapes.check_operands((2**31, 128), "float16", (8, 256), "int32", (1, 128), "float16",
                               (0,), "float16", k=128, n=128, group_size=128)
+
+
+# --- padding: any [k, n] ------------------------------------------------------------
+
+
+def _padded_shape_by_search(k, n, group_size):
+    """The runnable (k', n') >= (k, n) with the fewest elements, by trying them all."""
+    def runs(kk, nn):
+        try:
+            jm.shapes.check_layer(kk, nn, group_size)
+            return True
+        except ValueError:
+            return False
+    candidates = [(kk * nn, kk, nn) for kk in range(k, k + 257) for nn in range(n, n + 193)
+                  if kk % 64 == 0 and nn % 64 == 0 and runs(kk, nn)]
+    return min(candidates)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_padded_shape_is_the_smallest_that_runs(group_size):
+    for k in range(1, 700, 37):
+        for n in range(1, 700, 41):
+            k_pad, n_pad = jm.padded_shape(k, n, group_size)
+            elements, *_ = _padded_shape_by_search(k, n, group_size)
+            assert k_pad >= k and n_pad >= n and k_pad * n_pad == elements, (k, n)
+            jm.shapes.check_layer(k_pad, n_pad, group_size)
+    for (k, n), padded in ODD.items():
+        assert jm.padded_shape(k, n, group_size) == padded[group_size]
+    # Aligned shapes cost nothing; on a tie n is padded (x stays as it is).
+    for k, n, g in ALIGNED:
+        assert jm.padded_shape(k, n, g) == (k, n)
+    assert jm.padded_shape(192, 192, -1) == (192, 256)
+
+
+def test_padded_shape_bad_input():
+    with pytest.raises(ValueError, match="group_size = 96"):
+        jm.padded_shape(128, 128, 96)
+    with pytest.raises(ValueError, match=r"\[0, 128\] must be positive"):
+        jm.padded_shape(0, 128, 128)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jm.padded_shape(2**17, 2**17, 128)
+    with pytest.raises(TypeError, match="k must be an int"):
+        jm.padded_shape(128.0, 128, 128)
 
 
 # --- the XLA FFI API version -------------------------------------------------------
