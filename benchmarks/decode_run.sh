@@ -2,9 +2,10 @@
 # The decode kernel on a GPU machine, in one call: build decode_bench and the
 # package, check the kernel, time it against the Marlin kernel (independent
 # calls, dependent chains, CUDA graphs), sweep its configurations, run the GPU
-# tests and compute-sanitizer, and time a Llama-3-8B decode step through JAX.
+# tests, time the prefill kernel against cuBLAS and the Marlin kernel, time a
+# Llama-3-8B decode step through JAX, and run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests sanitize step
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests prefill step sanitize
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -31,9 +32,13 @@ if has build; then
   done; done
   nvcc $F -Xptxas -v -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$OUT/ptxas.txt" 2>&1 &
   nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi benchmarks/prefill_bench.cu ffi/prefill_sm90.cu \
+    -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
   nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
   wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
   nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
+  wait
   grep -E "registers|spill" "$OUT/ptxas.txt" | sort | uniq -c
   wait $PIP || { tail -30 "$OUT/build.log"; exit 1; }
   (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
@@ -62,15 +67,11 @@ fi
 if has time; then
   cases=""
   step "time: launcher (decode kernel) against JAX_MARLIN_DECODE=0 (Marlin), fp16 g128"
-  for m in 1 2 4 8 16; do cases="$cases $(for l in $LAYERS; do echo -n "$m:$l "; done)"; done
+  for m in 1 4 8 16; do cases="$cases $(for l in $LAYERS; do echo -n "$m:$l "; done)"; done
   $BIN --chain $cases > "$OUT/time-decode.log" 2>&1
   JAX_MARLIN_DECODE=0 $BIN --chain $cases > "$OUT/time-marlin.log" 2>&1
-  JAX_MARLIN_PDL=0 $BIN --chain $cases > "$OUT/time-nopdl.log" 2>&1
-  $BIN --group -1 --chain $(for l in $LAYERS; do echo -n "1:$l 16:$l "; done) > "$OUT/time-g-1.log" 2>&1
-  $BIN --bf16 --chain $(for l in $LAYERS; do echo -n "1:$l 16:$l "; done) > "$OUT/time-bf16.log" 2>&1
-  paste <(grep -E "^ +[0-9]" "$OUT/time-decode.log") <(grep -E "^ +[0-9]" "$OUT/time-marlin.log" | awk '{print $5, $7, $8}') \
-        <(grep -E "^ +[0-9]" "$OUT/time-nopdl.log" | awk '{print $7, $8}') > "$OUT/time.txt"
-  echo "   m      k      n   config   us  TB/s  chain  graph | marlin: us chain graph | nopdl: chain graph"
+  paste <(grep -E "^ +[0-9]" "$OUT/time-decode.log") <(grep -E "^ +[0-9]" "$OUT/time-marlin.log" | awk '{print $5, $7, $8}') > "$OUT/time.txt"
+  echo "   m      k      n   config   us  TB/s  chain  graph | marlin: us chain graph"
   cat "$OUT/time.txt"
 fi
 
@@ -87,16 +88,31 @@ if has step; then
 fi
 
 if has tests; then
-  step "GPU tests"
-  (cd /tmp && timeout 300 python3 -m pytest -q -x -m gpu "$OLDPWD/tests" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
+  step "GPU tests (decode, prefill and Marlin kernels through JAX)"
+  (cd /tmp && timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
-  tail -2 "$OUT/tests.log"
+  tail -1 "$OUT/tests.log"
+  # The Marlin kernel's own tiles at every m, with the Hopper kernels off.
+  (cd /tmp && JAX_MARLIN_DECODE=0 JAX_MARLIN_PREFILL=0 timeout 45 python3 -m pytest -q -m gpu -k "float64 and not decode" "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) >> "$OUT/tests.log"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | tail -5
+  tail -1 "$OUT/tests.log" | sed 's/^/marlin only: /'
+fi
+
+if has prefill; then
+  step "prefill kernel against cuBLAS fp16 (prefill_bench, fp16 g128)"
+  timeout ${PREFILL_TIMEOUT:-100} /tmp/prefill_bench --no-self-test --m 64,128,256,1024,4096 --dtype fp16 --group 128 > "$OUT/prefill.log" 2>&1
+  echo "exit $?"; sed -n '/^SUMMARY/,$p' "$OUT/prefill.log" | tail -8
+  step "launcher at m >= 64: prefill kernel against JAX_MARLIN_PREFILL=0 (Marlin)"
+  pc=$(for m in 64 128 256 1024; do for l in 8192:10240 28672:8192 4096:6144 4096:28672; do echo -n "$m:$l "; done; done)
+  $BIN --reps 50 $pc > "$OUT/time-prefill.log" 2>&1
+  JAX_MARLIN_PREFILL=0 $BIN --reps 50 $pc > "$OUT/time-prefill-marlin.log" 2>&1
+  paste <(grep -E "^ +[0-9]" "$OUT/time-prefill.log" | awk '{print $1, $2, $3, $5}') <(grep -E "^ +[0-9]" "$OUT/time-prefill-marlin.log" | awk '{print $5}')
 fi
 
 if has sanitize; then
   step "compute-sanitizer on the decode kernel"
-  for tool in memcheck racecheck synccheck; do
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 $BIN --check --reps 2 --group 128 \
+  for tool in memcheck; do
+    timeout 45 compute-sanitizer --tool $tool --error-exitcode 9 $BIN --check --reps 2 --group 128 \
       1:1024:1024 16:640:192 9:2048:512 > "$OUT/sanitize-$tool.log" 2>&1
     echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | head -1)"
   done
