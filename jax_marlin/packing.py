@@ -343,7 +343,7 @@ def _check_scale_range(largest: float, smallest: float, zeroed: float, *, dtype,
     whose scale rounds to 0 becomes all zeros: raises when that is every
     nonzero group (the layer would multiply to zero), warns when it is some.
     """
-    info = np.finfo(dtype)
+    info = jnp.finfo(dtype)  # numpy 2.5 refuses bfloat16 in np.finfo
     where = (f"the weight's groups (group_size = {group_size}) have max|w| from "
              f"{smallest:.3g} to {largest:.3g}")
     fix = ("quantize with dtype=jnp.bfloat16 (float32's range), or rescale the weight")
