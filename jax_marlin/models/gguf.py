@@ -31,6 +31,7 @@ import importlib.util
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -173,14 +174,8 @@ def load_llama(source, *, dtype=jnp.float32) -> Llama:
     # Build the module tree without allocating its random initial weights.
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, _tree_map(lambda w: jnp.asarray(w, dtype), params))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: jnp.asarray(w, dtype), params))
     return nnx.merge(graphdef, state)
-
-
-def _tree_map(f, tree):
-    if isinstance(tree, dict):
-        return {k: _tree_map(f, v) for k, v in tree.items()}
-    return f(tree)
 
 
 def load_tokenizer(source):
