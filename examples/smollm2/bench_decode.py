@@ -52,11 +52,13 @@ def build(name, dtype):
 
 def weight_bytes(model):
     """Bytes a decode step reads from the weights: everything but the embedding table (one row per token)."""
-    state = nnx.state(model)
-    total = sum(a.nbytes for a in jax.tree.leaves(state))
+    def nbytes(tree):
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    total = nbytes(nnx.state(model))
     if model.lm_head is None:  # tied: the table is the output head, read in full
         return total
-    return total - model.embed.embedding[...].nbytes
+    return total - nbytes(nnx.state(model.embed))
 
 
 def time_steps(model, batch, context, steps, warmup, profile=None):
