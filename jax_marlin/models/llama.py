@@ -1,0 +1,203 @@
+"""A Llama decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention with a KV cache, SwiGLU.
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, rope_theta=1e5)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    logits, _ = model(tokens)                         # tokens [b, s] -> [b, s, vocab] float32
+    cache = model.init_cache(batch=b, max_len=256)
+    logits, cache = model(prompt, cache=cache, pos=0)  # prefill
+    logits, cache = model(next_token, cache=cache, pos=len_prompt)  # one decode step
+
+Every projection is an ``nnx.Linear`` (in x out kernel, no bias), so
+``jax_marlin.flax.quantize_model`` and ``jax_marlin.flax.gptq`` turn them into
+``MarlinLinear``. The embedding, the norms and the output head stay float.
+
+RoPE rotates the two halves of each head (``x[:d/2]``, ``x[d/2:]``), the
+Hugging Face layout of the Q and K projection rows; checkpoints that store
+them in the interleaved (GPT-J) layout are permuted on loading
+(``jax_marlin.models.gguf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["KVCache", "Llama", "LlamaConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and constants of a Llama decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer: ``k``, ``v`` tuples of ``[batch, max_len, kv_heads, head_dim]``.
+
+    One array per layer (not one stacked array), so a jitted decode step that
+    donates the cache updates each layer's slice in place.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotates ``x [b, s, heads, head_dim]`` by ``positions [s]`` (half-split layout), in float32."""
+    d = x.shape[-1]
+    freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [s, d / 2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention: ``num_heads`` queries share ``num_kv_heads`` keys and values."""
+
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
+        hd = config.head_dim
+        self.q = _linear(config.hidden_size, config.num_heads * hd, dtype, rngs)
+        self.k = _linear(config.hidden_size, config.num_kv_heads * hd, dtype, rngs)
+        self.v = _linear(config.hidden_size, config.num_kv_heads * hd, dtype, rngs)
+        self.o = _linear(config.num_heads * hd, config.hidden_size, dtype, rngs)
+        self.config = config
+
+    def __call__(self, x, pos, cache_k=None, cache_v=None):
+        """``x [b, s, hidden]`` at positions ``pos .. pos + s - 1``.
+
+        Without a cache the keys are this ``x``'s own (causal). With one
+        (``[b, max_len, kv_heads, head_dim]``), this ``x``'s keys and values are
+        written at ``pos`` and the queries attend to positions ``0 .. pos + i``.
+        Returns ``(y [b, s, hidden], cache_k, cache_v)``.
+        """
+        c = self.config
+        b, s, _ = x.shape
+        positions = pos + jnp.arange(s)
+        q = rope(self.q(x).reshape(b, s, c.num_heads, c.head_dim), positions, c.rope_theta)
+        k = rope(self.k(x).reshape(b, s, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        v = self.v(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        if cache_k is not None:
+            cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, 1)
+            cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, 1)
+            k, v = cache_k, cache_v
+            key_positions = jnp.arange(cache_k.shape[1])
+        else:
+            key_positions = positions
+        # Scores and softmax in float32; query head h reads kv head h // rep.
+        rep = c.num_heads // c.num_kv_heads
+        q = q.reshape(b, s, c.num_kv_heads, rep, c.head_dim) / jnp.sqrt(c.head_dim)
+        scores = jnp.einsum("bsgrd,btgd->bgrst", q, k.astype(jnp.float32))
+        visible = key_positions[None, :] <= positions[:, None]  # [s, t]
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("bgrst,btgd->bsgrd", probs, v.astype(jnp.float32))
+        return self.o(out.reshape(b, s, -1).astype(x.dtype)), cache_k, cache_v
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
+        self.gate = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
+        self.up = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
+        self.down = _linear(config.intermediate_size, config.hidden_size, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention, then the MLP."""
+
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
+        norm = dict(epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(config.hidden_size, **norm)
+        self.attn = Attention(config, dtype, rngs)
+        self.mlp_norm = nnx.RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, pos=0, cache_k=None, cache_v=None):
+        """``x [b, s, hidden]`` -> ``(x [b, s, hidden], cache_k, cache_v)``."""
+        y, cache_k, cache_v = self.attn(self.attn_norm(x), pos, cache_k, cache_v)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
+
+
+class Llama(nnx.Module):
+    """A Llama decoder. ``dtype``: weights and activations (float32, float16 or bfloat16)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                               param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
+                                param_dtype=dtype, rngs=rngs)
+        self.lm_head = (None if config.tie_embeddings
+                        else _linear(config.hidden_size, config.vocab_size, dtype, rngs))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens, in the model's dtype."""
+        c = self.config
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
+        return KVCache(zeros, tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers)))
+
+    def __call__(self, tokens: jax.Array, cache: KVCache | None = None, pos=0):
+        """``tokens [b, s]`` int at positions ``pos ..`` -> ``(logits [b, s, vocab] float32, cache)``.
+
+        ``cache=None`` runs the causal forward of ``tokens`` alone (and returns
+        ``None``); with a cache, ``tokens`` follow the ``pos`` tokens already in it.
+        """
+        x = self.embed(tokens)
+        new_k, new_v = [], []
+        for i, block in enumerate(self.layers):
+            if cache is None:
+                x, _, _ = block(x, pos)
+            else:
+                x, k, v = block(x, pos, cache.k[i], cache.v[i])
+                new_k.append(k)
+                new_v.append(v)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32), (None if cache is None
+                                            else KVCache(tuple(new_k), tuple(new_v)))
