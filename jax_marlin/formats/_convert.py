@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import jax_marlin as jm
+from jax_marlin.shapes import num_groups
 
 #: The zero point of the Marlin kernel: it computes ``(q - 8) * scale``.
 ZERO_POINT = 8
@@ -63,11 +64,6 @@ def check_group_size(group_size) -> None:
             or (group_size != -1 and group_size <= 0)):
         raise ValueError(f"group_size = {group_size!r}: expected a positive number of rows "
                          f"per scale, or -1 for one scale per column")
-
-
-def num_groups(k: int, group_size: int) -> int:
-    """Rows of a checkpoint's scales: ``ceil(k / group_size)``, 1 for -1."""
-    return 1 if group_size == -1 else -(-k // group_size)
 
 
 def to_marlin(q: np.ndarray, scales, group_size: int, *, zeros=None, g_idx=None,

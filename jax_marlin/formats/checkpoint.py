@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from jax_marlin import MarlinWeight
-from jax_marlin.formats._convert import num_groups
 from jax_marlin.formats._io import progress, safetensors
 from jax_marlin.formats.awq import from_awq
 from jax_marlin.formats.compressed_tensors import from_compressed_tensors
 from jax_marlin.formats.gptq import from_gptq
+from jax_marlin.shapes import num_groups
 
 __all__ = ["load_checkpoint"]
 

@@ -25,11 +25,11 @@ from jax_marlin.formats._convert import (
     ZERO_POINT,
     check_group_size,
     check_shape,
-    num_groups,
     to_marlin,
     unpack_words,
     words,
 )
+from jax_marlin.shapes import num_groups
 
 __all__ = ["from_gptq"]
 
