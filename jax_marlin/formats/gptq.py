@@ -7,7 +7,8 @@ features; group ``g``, ``G = ceil(k / g)`` groups, 1 for ``g = -1``):
   of word ``[r, c]`` hold the weight's row ``8 r + j``, column ``c``.
 * ``qzeros``: int32 ``[G, ceil(n / 8)]``, packed along n: bits ``4 j`` of word
   ``[i, c]`` hold the zero point of group ``i``, column ``8 c + j``, *minus
-  one* (the v1 convention: symmetric checkpoints store 7 for the zero point 8).
+  one*, modulo 16 (the v1 convention: symmetric checkpoints store 7 for the
+  zero point 8).
 * ``scales``: ``[G, n]``, float16 as written by the quantizers.
 * ``g_idx``: int32 ``[k]``, the group of each row: ``row // g`` unless the
   checkpoint was quantized with act-order (``desc_act``), which groups rows
@@ -67,7 +68,8 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
         g_idx = check_shape("g_idx", g_idx, (k,), why)
 
     q = unpack_words(qweight, axis=0)
-    zeros = unpack_words(qzeros, axis=1)[:, :n].astype(np.int32) + 1
+    # v1 stores zero - 1 in 4 bits; readers add 1 modulo 16 (a stored 15 is the zero point 0).
+    zeros = (unpack_words(qzeros, axis=1)[:, :n].astype(np.int32) + 1) & 0xF
     if sym and np.any(zeros != ZERO_POINT):
         raise ValueError(f"sym=True, but qzeros hold zero points in [{int(zeros.min())}, "
                          f"{int(zeros.max())}] (stored minus one); symmetric GPTQ v1 stores 7 "
