@@ -25,8 +25,9 @@ from checkpoint_writers import (  # noqa: E402
 from conftest import random_weight  # noqa: E402
 from jax_marlin import formats  # noqa: E402
 
-# Three layers: "a" whole in the first file, "b" in the second, and "c" split
-# across both (transformers shards by tensor, so a layer's tensors may part).
+# Three layers: the first whole in the first file, the second in the second,
+# the third split across both (transformers shards by tensor, so a layer's
+# tensors may lie in different files).
 LAYERS = {"model.layers.0.mlp.up_proj": (256, 192), "model.layers.0.mlp.down_proj": (192, 256),
           "model.layers.1.self_attn.q_proj": (256, 128)}
 FLOAT_TENSORS = {"model.embed_tokens.weight": np.ones((8, 256), np.float16),
