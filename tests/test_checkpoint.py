@@ -117,13 +117,32 @@ def test_load_checkpoint_picks_each_layers_group_size(rng, tmp_path):
     np.testing.assert_array_equal(np.asarray(jm.dequantize(weights["grouped"], jnp.float32)), ref)
 
 
-def test_load_checkpoint_act_order_names_the_layer(rng, tmp_path):
+def test_load_checkpoint_act_order_and_zero_points(rng, tmp_path):
+    k, n = 256, 128
+    g_idx = act_order_groups(rng, k, 64)
+    q, zeros, scales = quantize(random_weight(rng, k, n), g_idx, symmetric=False)
+    write_checkpoint(tmp_path, dict(GPTQ_CONFIG, desc_act=True, sym=False),
+                     {"blocks.0.up": gptq_tensors(q, zeros, scales, g_idx)})
+    w = formats.load_checkpoint(tmp_path)["blocks.0.up"]
+    assert w.perm is not None and w.zeros is not None
+    np.testing.assert_array_equal(np.asarray(jm.dequantize(w, jnp.float32)),
+                                  reference_weight(q, zeros, scales, g_idx))
+    # The Marlin-native file keeps both, bit for bit.
+    formats.save(tmp_path / "marlin.safetensors", {"up": w})
+    loaded = formats.load(tmp_path / "marlin.safetensors")["up"]
+    for field in ("qweight", "scales", "perm", "zeros"):
+        np.testing.assert_array_equal(np.asarray(getattr(loaded, field)),
+                                      np.asarray(getattr(w, field)))
+
+
+def test_load_checkpoint_bad_g_idx_names_the_layer(rng, tmp_path):
     k, n = 256, 128
     g_idx = act_order_groups(rng, k, 64)
     q, zeros, scales = quantize(random_weight(rng, k, n), g_idx, symmetric=True)
+    g_idx[np.flatnonzero(g_idx == 0)[0]] = 3
     write_checkpoint(tmp_path, dict(GPTQ_CONFIG, desc_act=True),
                      {"blocks.0.up": gptq_tensors(q, zeros, scales, g_idx)})
-    with pytest.raises(NotImplementedError, match="layer 'blocks.0.up': GPTQ: act-order"):
+    with pytest.raises(ValueError, match="layer 'blocks.0.up': GPTQ: g_idx does not put"):
         formats.load_checkpoint(tmp_path)
 
 

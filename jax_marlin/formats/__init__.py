@@ -9,8 +9,8 @@ One layer at a time: :func:`from_gptq` (GPTQ v1), :func:`from_awq` (AutoAWQ
 GEMM) and :func:`from_compressed_tensors` (``pack-quantized``) take the
 checkpoint's tensors as numpy arrays and return a ``[k, n]``
 :class:`~jax_marlin.MarlinWeight` whose dequantized values are the format's own.
-Symmetric 4-bit weights with groups of consecutive rows map exactly; asymmetric
-zero points and act-order raise ``NotImplementedError`` for now.
+Symmetric and asymmetric 4-bit weights map exactly, act-order ones too
+(``MarlinWeight.zeros`` and ``MarlinWeight.perm``; their cost in ``jm.matmul``).
 
 Files need the ``safetensors`` package (``pip install jax-marlin[formats]``).
 """

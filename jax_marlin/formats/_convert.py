@@ -82,37 +82,56 @@ def to_marlin(q: np.ndarray, scales, group_size: int, *, zeros=None, g_idx=None,
       g_idx: ``[k]`` group of each row, ``None`` for ``row // group_size``.
       what: the format, for error messages.
 
-    The weight is ``(q - zeros[g_idx]) * scales[g_idx]`` row by row. The kernel
-    runs zero point 8 with groups of consecutive rows; anything else raises
-    ``NotImplementedError`` rather than return a different weight.
+    The weight is ``(q - zeros[g_idx]) * scales[g_idx]`` row by row, exactly:
+    zero points other than 8 are stored with the weight (``jm.matmul`` adds
+    their correction), and act-order rows (``g_idx`` not ``row //
+    group_size``) are stored sorted by group with their permutation.
     """
     k = q.shape[0]
-    if g_idx is not None:
-        g_idx = np.asarray(g_idx)
-        consecutive = np.arange(k) // (k if group_size == -1 else group_size)
-        if not np.array_equal(g_idx, consecutive):
-            raise NotImplementedError(
-                f"{what}: act-order weights (g_idx is not row // group_size = {group_size}: "
-                f"rows are grouped out of order) are not supported yet")
+    kernel_group, repeat = _kernel_groups(k, group_size, what)
+    scales = _repeat_groups(np.asarray(scales), repeat, k, kernel_group)
     if zeros is not None:
-        zeros = np.asarray(zeros)
-        if np.any(zeros != ZERO_POINT):
-            raise NotImplementedError(
-                f"{what}: asymmetric zero points (found zero points in "
-                f"[{int(zeros.min())}, {int(zeros.max())}]; the kernel's is {ZERO_POINT}) are "
-                f"not supported yet")
-    kernel_group, scales = _kernel_groups(np.asarray(scales), k, group_size, what)
-    return jm.pack(q, scales, group_size=kernel_group)
+        zeros = _repeat_groups(np.asarray(zeros), repeat, k, kernel_group)
+    if g_idx is not None:
+        g_idx = _kernel_g_idx(np.asarray(g_idx), k, group_size, kernel_group, what)
+    return jm.pack(q, scales, group_size=kernel_group, zeros=zeros, g_idx=g_idx)
 
 
-def _kernel_groups(scales: np.ndarray, k: int, group_size: int, what: str):
-    """``(kernel group size, scales for it)``: the same weight in groups the kernel takes."""
+def _kernel_groups(k: int, group_size: int, what: str) -> tuple[int, int]:
+    """``(kernel group size, kernel groups per group)``: the same weight in groups the kernel takes."""
     if group_size == -1 or group_size >= k:
-        return -1, scales
+        return -1, 1
     for g in _KERNEL_GROUPS:
         if group_size % g == 0:
-            # Row r of the weight has scale row r // group_size = (r // g) // (group_size // g).
-            return g, np.repeat(scales, group_size // g, axis=0)[:num_groups(k, g)]
+            return g, group_size // g
     raise ValueError(f"{what}: group_size = {group_size} is not supported; the kernel takes "
                      f"groups of 32, 64 or 128 rows (or multiples of them), or -1 (one scale "
                      f"per column)")
+
+
+def _repeat_groups(a: np.ndarray, repeat: int, k: int, kernel_group: int) -> np.ndarray:
+    """Per-group rows ``[groups, n]`` -> per kernel group: row ``r // g`` of a group of ``g r``."""
+    return np.repeat(a, repeat, axis=0)[:num_groups(k, kernel_group)]
+
+
+def _kernel_g_idx(g_idx: np.ndarray, k: int, group_size: int, kernel_group: int,
+                  what: str) -> np.ndarray:
+    """The kernel group of each row, from the format's ``g_idx`` (act-order).
+
+    Sorted by group (stably), the format's groups must be runs of
+    ``group_size`` rows; a kernel group is then a run of ``kernel_group``
+    rows of that order.
+    """
+    if not np.issubdtype(g_idx.dtype, np.integer):
+        raise TypeError(f"{what}: g_idx.dtype is {g_idx.dtype}, expected integers")
+    order = np.argsort(g_idx, kind="stable")
+    rows = k if group_size == -1 else group_size
+    if not np.array_equal(g_idx[order], np.arange(k) // rows):
+        counts = np.bincount(g_idx - g_idx.min()) if k else np.zeros(0, int)
+        raise ValueError(f"{what}: g_idx does not put group_size = {group_size} rows in each "
+                         f"group (groups 0, 1, ...; the last may be shorter): it holds groups "
+                         f"{int(g_idx.min())}..{int(g_idx.max())} of {counts.min()} to "
+                         f"{counts.max()} rows")
+    kernel_g_idx = np.empty(k, np.int32)
+    kernel_g_idx[order] = np.arange(k) // (k if kernel_group == -1 else kernel_group)
+    return kernel_g_idx

@@ -39,10 +39,10 @@ def from_awq(qweight, qzeros, scales, *, group_size: int) -> MarlinWeight:
       scales: ``[ceil(k / group_size), n]`` float16 (bfloat16 is kept as it is).
       group_size: the checkpoint's ``q_group_size`` (``group_size``).
 
-    AWQ's zero points are asymmetric, fitted per group: the kernel's dequantization
-    does not take them yet, so this raises ``NotImplementedError`` unless every
-    zero point is 8 (then the weight maps exactly). ``ValueError`` for shapes
-    that do not match.
+    AWQ's zero points are asymmetric, fitted per group; they are kept in
+    ``w.zeros`` (``jm.matmul`` adds their correction to the kernel's product),
+    so ``jm.dequantize(w)`` is AWQ's weight exactly. ``ValueError`` for
+    shapes that do not match.
     """
     check_group_size(group_size)
     qweight = words("qweight", qweight)

@@ -67,9 +67,9 @@ def load_checkpoint(path) -> dict[str, MarlinWeight]:
     file by file, with a progress bar on a terminal. Raises ``ValueError`` for
     an unsupported configuration (naming the ``quantization_config`` key and
     its value) or a layer with missing or mis-shaped tensors (naming the
-    layer), ``NotImplementedError`` for asymmetric zero points and act-order,
-    which the kernel does not take yet, ``FileNotFoundError`` without
-    ``config.json`` or safetensors files.
+    layer), ``FileNotFoundError`` without ``config.json`` or safetensors
+    files. Asymmetric zero points and act-order are imported exactly
+    (``MarlinWeight.zeros``, ``MarlinWeight.perm``).
     """
     path = pathlib.Path(path)
     layout = _layout(_read_quantization_config(path))
@@ -93,7 +93,7 @@ def load_checkpoint(path) -> dict[str, MarlinWeight]:
                        for suffix in layout.required + layout.optional if name + suffix in where}
             try:
                 weights[name] = layout.convert(tensors)
-            except (ValueError, TypeError, NotImplementedError) as e:
+            except (ValueError, TypeError) as e:
                 raise type(e)(f"layer {name!r}: {e}") from e
     return weights
 

@@ -52,9 +52,9 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_shape, weight_ze
       group_size: the scheme's ``group_size``; -1 for the ``channel`` strategy.
 
     Returns the ``[k, n]`` weight (the Flax layout, transposed from the
-    checkpoint's). Raises ``NotImplementedError`` for zero points other than 0
-    and for act-order (``weight_g_idx`` other than ``input feature //
-    group_size``), ``ValueError`` for shapes that do not match.
+    checkpoint's), zero points other than 0 kept in ``w.zeros`` and
+    act-order (``weight_g_idx`` other than ``input feature // group_size``)
+    in ``w.perm``. Raises ``ValueError`` for shapes that do not match.
     """
     check_group_size(group_size)
     shape = np.asarray(weight_shape).reshape(-1)

@@ -50,10 +50,11 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
         kernel's: its weights are taken exactly.
 
     Returns the ``[k, n]`` weight with ``jm.dequantize(w)`` equal to GPTQ's
-    ``(q - zero) * scale``. Raises ``NotImplementedError`` for asymmetric zero
-    points (``sym=False`` with zero points other than 8) and for act-order
-    (``g_idx`` other than ``row // group_size``), ``ValueError`` for shapes
-    that do not match or ``sym=True`` with zero points other than 8.
+    ``(q - zero) * scale``: asymmetric zero points (``sym=False``) are kept
+    in ``w.zeros``, act-order (``g_idx`` other than ``row // group_size``) in
+    ``w.perm``. Raises ``ValueError`` for shapes that do not match, a
+    ``g_idx`` whose groups are not runs of ``group_size`` rows once sorted, or
+    ``sym=True`` with zero points other than 8.
     """
     if bits != 4:
         raise ValueError(f"bits = {bits}: only 4-bit GPTQ weights map onto the Marlin kernel")

@@ -2,7 +2,9 @@
 
 The file holds, for each layer ``<name>``, the packed arrays as they are
 (``<name>.qweight`` int32 ``[..., k_pad / 16, 2 n_pad]`` and ``<name>.scales``
-float16 or bfloat16 ``[..., groups, n_pad]``), and in the safetensors metadata
+float16 or bfloat16 ``[..., groups, n_pad]``; for weights that have them
+``<name>.zeros`` uint8 ``[..., groups, n_pad]`` and ``<name>.perm`` int32
+``[..., k]``), and in the safetensors metadata
 ``jax_marlin.layers``, a JSON object ``{name: {"k", "n", "group_size"}}`` of
 the static fields, with ``jax_marlin.version``. Loading needs no conversion:
 the arrays are the kernel's.
@@ -18,10 +20,14 @@ import numpy as np
 
 import jax_marlin as jm
 from jax_marlin.formats._io import safetensors
+from jax_marlin.packing import _check_weight
 
 __all__ = ["load", "save"]
 
-_VERSION = "1"
+# Version 2 added zeros and perm; a version 1 file (qweight and scales only) still loads.
+_VERSION = "2"
+_READS = ("1", _VERSION)
+_OPTIONAL = ("perm", "zeros")
 _LAYERS = "jax_marlin.layers"
 _VERSION_KEY = "jax_marlin.version"
 
@@ -40,6 +46,9 @@ def save(path, weights: Mapping[str, jm.MarlinWeight]) -> None:
             raise TypeError(f"weights[{name!r}] is a {type(w).__name__}, expected a MarlinWeight")
         tensors[f"{name}.qweight"] = np.asarray(w.qweight)
         tensors[f"{name}.scales"] = np.asarray(w.scales)
+        for field in _OPTIONAL:
+            if getattr(w, field) is not None:
+                tensors[f"{name}.{field}"] = np.asarray(getattr(w, field))
         layers[name] = {"k": w.k, "n": w.n, "group_size": w.group_size}
     save_file(tensors, str(path), metadata={_LAYERS: json.dumps(layers),
                                             _VERSION_KEY: _VERSION})
@@ -59,15 +68,24 @@ def load(path) -> dict[str, jm.MarlinWeight]:
             raise ValueError(f"{path} has no {_LAYERS} metadata: not written by "
                              f"jax_marlin.formats.save (for GPTQ, AWQ or compressed-tensors "
                              f"checkpoints use load_checkpoint)")
-        if metadata.get(_VERSION_KEY) != _VERSION:
+        if metadata.get(_VERSION_KEY) not in _READS:
             raise ValueError(f"{path}: {_VERSION_KEY} = {metadata.get(_VERSION_KEY)!r}, "
-                             f"this jax_marlin reads version {_VERSION}")
+                             f"this jax_marlin reads versions {', '.join(_READS)}")
+        keys = set(f.keys())
         weights = {}
         for name, static in json.loads(metadata[_LAYERS]).items():
             qweight = f.get_tensor(f"{name}.qweight")
             scales = f.get_tensor(f"{name}.scales")
             _check(name, qweight, scales, **static)
-            weights[name] = jm.MarlinWeight(jnp.asarray(qweight), jnp.asarray(scales), **static)
+            optional = {field: jnp.asarray(f.get_tensor(f"{name}.{field}"))
+                        for field in _OPTIONAL if f"{name}.{field}" in keys}
+            w = jm.MarlinWeight(jnp.asarray(qweight), jnp.asarray(scales), **static, **optional)
+            if qweight.ndim == 2:  # a single weight: the same checks as every jm function's
+                try:
+                    _check_weight(w)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path}: layer {name!r}: {e}") from None
+            weights[name] = w
     return weights
 
 
