@@ -12,8 +12,13 @@ pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
 import jax_marlin as jm  # noqa: E402
-from conftest import FP16_U, random_weight, random_x, rel_err  # noqa: E402
-from jax_marlin.flax import MarlinLinear, QuantizedWeight, load_quantized  # noqa: E402
+from conftest import FP16_U, imported_weight, random_weight, random_x, rel_err  # noqa: E402
+from jax_marlin.flax import (  # noqa: E402
+    MarlinLinear,
+    QuantizedWeight,
+    get_partition_spec,
+    load_quantized,
+)
 
 TOL = FP16_U + 1e-5
 K, H = 256, 128
@@ -131,3 +136,79 @@ def test_load_quantized_refuses_linear_subclasses(rng):
     model = nnx.Dict(proj=Scaled(K, H, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="proj: a Scaled, a subclass of nnx.Linear"):
         load_quantized(model, {"proj": jm.quantize(random_weight(rng, K, H))})
+
+
+# --- zero points and act-order -------------------------------------------------------
+
+
+def imported_checkpoint(rng):
+    """As :func:`checkpoint`, with zero points and act-order (as AWQ / GPTQ desc_act give)."""
+    weights, dense = {}, {}
+    for i in range(2):
+        for name, (k, n) in (("up", (K, H)), ("down", (H, K))):
+            weights[f"model.layers.{i}.{name}"], dense[f"model.layers.{i}.{name}"] = \
+                imported_weight(rng, k, n, 64)
+    return weights, dense
+
+
+def test_load_quantized_zeros_and_act_order_and_orbax(rng, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    weights, dense = imported_checkpoint(rng)
+    model = load_quantized(Model(nnx.Rngs(0)), weights, name_map=to_checkpoint_name)
+    x = random_x(rng, 3, K)
+    layer = model.layers[0].up
+    ref = np.asarray(x, np.float64) @ dense["model.layers.0.up"] + np.asarray(
+        layer.bias[...].astype(jnp.float16), np.float64)
+    assert rel_err(nnx.jit(lambda m, x: m(x))(layer, x), ref) <= 2 * FP16_U
+
+    graphdef, quantized, rest = nnx.split(model, QuantizedWeight, ...)
+    assert len(jax.tree.leaves(quantized)) == 16  # qweight, scales, perm, zeros of four layers
+
+    # orbax: the abstract target comes from loading abstract weights into an abstract model.
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "model", nnx.state(model))
+    checkpointer.wait_until_finished()
+    abstract = nnx.eval_shape(lambda: load_quantized(
+        Model(nnx.Rngs(1)), jax.tree.map(jnp.zeros_like, weights), name_map=to_checkpoint_name))
+    graphdef, abstract_state = nnx.split(abstract)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                          abstract_state)
+    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "model", target))
+    w, w2 = model.layers[1].down.weight.get_value(), restored.layers[1].down.weight.get_value()
+    for field in ("qweight", "scales", "perm", "zeros"):
+        np.testing.assert_array_equal(np.asarray(getattr(w2, field)), np.asarray(getattr(w, field)))
+    np.testing.assert_array_equal(np.asarray(restored(x)), np.asarray(model(x)))
+
+
+def test_get_partition_spec_covers_zeros_and_perm(rng):
+    # Column parallel over 8 host devices: zeros follow the scales, perm is replicated.
+    P = jax.sharding.PartitionSpec
+    w, dense = imported_weight(rng, K, 512, 64)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices("cpu"))
+    x = random_x(rng, 4, K)
+    with jax.set_mesh(mesh):
+        model = nnx.Dict(up=nnx.Linear(K, 512, use_bias=False, kernel_init=init,
+                                       rngs=nnx.Rngs(0)))
+        load_quantized(model, {"up": w})
+        graphdef, state = nnx.split(model)
+        specs = get_partition_spec(state)
+        spec = specs["up"]["weight"].get_value()
+        assert (spec.qweight, spec.scales, spec.zeros, spec.perm) == (
+            P(None, "model"), P(None, "model"), P(None, "model"), P(None))
+        # Loaded weights live on one device: place them as the specs say.
+        state = jax.device_put(state, jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+            is_leaf=lambda s: isinstance(s, P)))
+
+        @jax.jit
+        def forward(state, x):
+            state = jax.lax.with_sharding_constraint(state, specs)
+            return nnx.merge(graphdef, state)["up"](x)
+
+        y = forward(state, x)
+        hlo = forward.lower(state, x).compile().as_text()
+    assert "all-reduce(" not in hlo and "all-gather(" not in hlo
+    assert rel_err(y, np.asarray(x, np.float64) @ dense) <= 2 * FP16_U
