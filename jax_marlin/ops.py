@@ -59,7 +59,7 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
       the packed weight's). The kernel has already rounded its product to
       ``x.dtype``, so ``y`` is rounded twice, ``round(round(x @ W_8) + xs @
       Z)``: the error grows from one rounding of ``y`` to one of ``x @ W_8``
-      plus one of ``y`` (module ``jax_marlin.ops``, ``_zero_point_correction``).
+      plus one of ``y`` (measured in ``benchmarks/NOTES.md``).
     """
     return _matmul(x, w, bias, poison_output=False)
 
