@@ -56,10 +56,12 @@ class QuantizedWeight(nnx.Variable):
     """An ``nnx.Variable`` holding a :class:`~jax_marlin.MarlinWeight`.
 
     Its value is the whole ``MarlinWeight`` pytree (``qweight`` int32
-    ``[k_pad // 16, 2 n_pad]``, ``scales`` float16 or bfloat16 ``[groups, n_pad]``;
-    ``k``, ``n``, ``group_size`` static), so ``nnx.state``, ``nnx.update``, ``nnx.split`` /
-    ``nnx.merge`` and Orbax see two arrays per layer. Not an ``nnx.Param``: the
-    packed integers are not trainable.
+    ``[k_pad // 16, 2 n_pad]``, ``scales`` float16 or bfloat16 ``[groups, n_pad]``,
+    and for weights imported with zero points or act-order ``zeros`` and
+    ``perm``; ``k``, ``n``, ``group_size`` static), so ``nnx.state``,
+    ``nnx.update``, ``nnx.split`` / ``nnx.merge`` and Orbax see two (to four)
+    arrays per layer. Not an ``nnx.Param``: the packed integers are not
+    trainable.
     """
 
 
