@@ -261,6 +261,23 @@ def test_load_refuses_other_files(rng, tmp_path):
         formats.save(tmp_path / "x.safetensors", {"up": np.zeros(3)})
 
 
+def test_load_reads_version_1_and_checks_perm_and_zeros(rng, tmp_path):
+    # Version 1 (qweight and scales only) still loads; version 2 adds zeros and perm.
+    w = jm.quantize(random_weight(rng, 256, 128), group_size=128)
+    layers = json.dumps({"up": {"k": 256, "n": 128, "group_size": 128}})
+    tensors = {"up.qweight": np.asarray(w.qweight), "up.scales": np.asarray(w.scales)}
+    safetensors_numpy.save_file(tensors, str(tmp_path / "v1.safetensors"),
+                                metadata={"jax_marlin.layers": layers, "jax_marlin.version": "1"})
+    loaded = formats.load(tmp_path / "v1.safetensors")["up"]
+    assert loaded.perm is None and loaded.zeros is None
+    np.testing.assert_array_equal(np.asarray(loaded.qweight), np.asarray(w.qweight))
+    tensors["up.perm"] = np.arange(255, dtype=np.int32)
+    safetensors_numpy.save_file(tensors, str(tmp_path / "bad.safetensors"),
+                                metadata={"jax_marlin.layers": layers, "jax_marlin.version": "2"})
+    with pytest.raises(ValueError, match=r"layer 'up': perm: int32\[255\], expected int32\[256\]"):
+        formats.load(tmp_path / "bad.safetensors")
+
+
 # --- the README's example -----------------------------------------------------------
 
 
