@@ -59,6 +59,14 @@ is still computed exactly: the partitioner gathers the offending dimension of
 the weight (``k`` first, then ``n``) and emits a ``UserWarning`` saying so.
 It never runs the kernel on a misaligned shard.
 
+Imported weights (``jm.matmul`` handles them around this op): an act-order
+weight's ``perm`` is replicated and the weight runs with ``m`` or ``n``
+sharded only (:func:`shard_weight` and the partitioner refuse ``k``); zero
+points are placed like the scales, and their correction, a plain float32 dot
+in ``jm.matmul``, is partitioned by XLA: with ``k`` sharded it is summed over
+``k``'s axes too (a second all-reduce, which XLA may combine with the
+kernel's).
+
 Precision of the row-parallel reduction: the kernel rounds each partial
 product to ``x``'s dtype and the all-reduce adds them in that dtype. Adding
 them in float32 would double the all-reduce's bytes for an error far below
@@ -408,7 +416,7 @@ _partitioned.def_partition(
 
 
 def matmul(x, qweight, scales, bias, k: int, n: int, group_size: int,
-           poison_output: bool, act_order: bool = False) -> jax.Array:
+           poison_output: bool, act_order: bool) -> jax.Array:
     """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
 
     ``k``, ``n`` are the padded sizes; ``bias`` is ``[n]`` or ``[0]`` (no

@@ -453,4 +453,5 @@ def test_inconsistent_perm_or_zeros_raise(rng):
     with pytest.raises(ValueError, match=r"perm: int32\[255\], expected int32\[256\]"):
         jm.dequantize(dataclasses.replace(w, perm=w.perm[1:]))
     with pytest.raises(ValueError, match=r"zeros: int32\[4, 128\], expected uint8\[4, 128\]"):
-        jm.matmul(np.ones((1, 256), np.float16), dataclasses.replace(w, zeros=w.zeros.astype(jnp.int32)))
+        jm.matmul(np.ones((1, 256), np.float16),
+                  dataclasses.replace(w, zeros=w.zeros.astype(jnp.int32)))

@@ -98,7 +98,7 @@ def to_marlin(q: np.ndarray, scales, group_size: int, *, zeros=None, g_idx=None,
 
 
 def _kernel_groups(k: int, group_size: int, what: str) -> tuple[int, int]:
-    """``(kernel group size, kernel groups per group)``: the same weight in groups the kernel takes."""
+    """``(kernel group size, kernel groups per group)``: the same groups as the kernel takes them."""
     if group_size == -1 or group_size >= k:
         return -1, 1
     for g in _KERNEL_GROUPS:
