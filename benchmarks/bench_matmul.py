@@ -6,15 +6,23 @@ Variants (``--impls``, one row each per layer and m), all jitted:
   float16 ``x`` and 4-bit weights in Marlin's layout, one float16 scale per
   128/64/32 rows of k or per column (-1);
 * ``jax_marlin_bf16_g128``: the same in bfloat16 (``x`` and scales);
+* ``jax_marlin_zp_g128``, ``jax_marlin_act_order_g128``,
+  ``jax_marlin_zp_act_order_g128``: fp16 g128 weights as imported from
+  asymmetric (AWQ, GPTQ ``sym=False``) or act-order (GPTQ ``desc_act``)
+  checkpoints: random zero points 0..15 (``jm.matmul`` adds their float32
+  correction ``xs @ Z`` after the kernel) and/or rows grouped in a random
+  order (``x[..., perm]`` inside the call);
 * ``xla_fp16``, ``xla_bf16``: ``x @ w`` with float16/bfloat16 weights;
 * ``xla_int4``: ``jnp.int4`` weights cast to float16, times their group-128
   scales, then ``x @ w`` (XLA fuses what it can).
 
 Aliases: ``sweep`` (the default: jax_marlin fp16 and bf16 g128, xla_fp16,
-xla_int4: the README's table), ``jax_marlin`` (fp16 g128 and g-1) and
-``formats`` (every jax_marlin variant, xla_fp16, xla_bf16). The records keep
-``impl`` (jax_marlin, xla_fp16, xla_bf16, xla_int4), ``dtype``,
-``group_size`` and ``variant``.
+xla_int4: the README's table), ``jax_marlin`` (fp16 g128 and g-1),
+``formats`` (every symmetric jax_marlin variant, xla_fp16, xla_bf16) and
+``zp`` (fp16 g128 symmetric, with zero points, act-order, both: the cost
+of imported checkpoints side by side). The records keep ``impl``
+(jax_marlin, xla_fp16, xla_bf16, xla_int4), ``dtype``, ``group_size``,
+``layout`` (sym, zp, act_order, zp_act_order) and ``variant``.
 
 Method: each variant gets ``ROTATE`` distinct weight sets, applied one
 after another inside one jitted call, so weights stream from HBM rather than
@@ -37,6 +45,8 @@ kernel cannot report. A device-to-device copy in the same process gives
     python benchmarks/bench_matmul.py --out sweep.json   # the full sweep: 8 layers x 11 m
     python benchmarks/bench_matmul.py --quick            # 3 layers x m in {1, 16, 64}
     python benchmarks/bench_matmul.py --quick --impls formats
+    python benchmarks/bench_matmul.py --layers 70b.qkv 70b.down 8b.qkv 8b.down --ms 1 16 64 256 \
+        --impls zp --out zp.json                        # zero points and act-order vs symmetric
     python benchmarks/report.py sweep.json --readme README.md   # tables, plot, README table
 """
 
@@ -107,18 +117,22 @@ def copy_tbps() -> float:
 
 
 # Every row of the results, by the name --impls takes: (impl, dtype,
-# group_size) as recorded. jax_marlin rows run jm.matmul on weights quantized
-# with that group size and dtype; xla_fp16/xla_bf16 run x @ w in that dtype;
-# xla_int4 dequantizes jnp.int4 weights with group-128 fp16 scales, then x @ w.
+# group_size, layout) as recorded. jax_marlin rows run jm.matmul on weights
+# quantized with that group size and dtype (layout: symmetric, with zero
+# points, act-order); xla_fp16/xla_bf16 run x @ w in that dtype; xla_int4
+# dequantizes jnp.int4 weights with group-128 fp16 scales, then x @ w.
 VARIANTS = {
-    "jax_marlin_g128": ("jax_marlin", "float16", 128),
-    "jax_marlin_g-1": ("jax_marlin", "float16", -1),
-    "jax_marlin_g64": ("jax_marlin", "float16", 64),
-    "jax_marlin_g32": ("jax_marlin", "float16", 32),
-    "jax_marlin_bf16_g128": ("jax_marlin", "bfloat16", 128),
-    "xla_fp16": ("xla_fp16", "float16", None),
-    "xla_bf16": ("xla_bf16", "bfloat16", None),
-    "xla_int4": ("xla_int4", "float16", 128),
+    "jax_marlin_g128": ("jax_marlin", "float16", 128, "sym"),
+    "jax_marlin_g-1": ("jax_marlin", "float16", -1, "sym"),
+    "jax_marlin_g64": ("jax_marlin", "float16", 64, "sym"),
+    "jax_marlin_g32": ("jax_marlin", "float16", 32, "sym"),
+    "jax_marlin_bf16_g128": ("jax_marlin", "bfloat16", 128, "sym"),
+    "jax_marlin_zp_g128": ("jax_marlin", "float16", 128, "zp"),
+    "jax_marlin_act_order_g128": ("jax_marlin", "float16", 128, "act_order"),
+    "jax_marlin_zp_act_order_g128": ("jax_marlin", "float16", 128, "zp_act_order"),
+    "xla_fp16": ("xla_fp16", "float16", None, "sym"),
+    "xla_bf16": ("xla_bf16", "bfloat16", None, "sym"),
+    "xla_int4": ("xla_int4", "float16", 128, "sym"),
 }
 # Names for several variants: "sweep" is the README's table.
 ALIASES = {
@@ -126,6 +140,8 @@ ALIASES = {
     "jax_marlin": ["jax_marlin_g128", "jax_marlin_g-1"],
     "formats": ["jax_marlin_g128", "jax_marlin_g-1", "jax_marlin_g64", "jax_marlin_g32",
                 "jax_marlin_bf16_g128", "xla_fp16", "xla_bf16"],
+    "zp": ["jax_marlin_g128", "jax_marlin_zp_g128", "jax_marlin_act_order_g128",
+           "jax_marlin_zp_act_order_g128"],
 }
 
 
@@ -142,9 +158,12 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
     for key in keys:
         w = jax.random.normal(key, (k, n), jnp.float32)
         for v in variants:
-            impl, dtype, group_size = VARIANTS[v]
+            impl, dtype, group_size, layout = VARIANTS[v]
             if impl == "jax_marlin":
-                sets[v].append(jm.quantize(w, group_size=group_size, dtype=jnp.dtype(dtype)))
+                packed = jm.quantize(w, group_size=group_size, dtype=jnp.dtype(dtype))
+                if layout != "sym":
+                    packed = imported(packed, key, layout)
+                sets[v].append(packed)
             elif impl == "xla_int4":
                 q, s = jm.unpack(jm.quantize(w, group_size=128, dtype=jnp.float16))
                 sets[v].append(((q - 8).astype(jnp.int4), s))
@@ -152,6 +171,23 @@ def make_weights(k: int, n: int, seed: int, variants: list[str]):
                 sets[v].append(w.astype(jnp.dtype(dtype)))
         del w
     return sets
+
+
+def imported(w: jm.MarlinWeight, key, layout: str) -> jm.MarlinWeight:
+    """``w`` with random zero points (``zp``) and/or rows grouped in a random order (``act_order``).
+
+    The values differ from ``w``'s (the timing does not depend on them); the
+    layout is that of an AWQ / asymmetric GPTQ / act-order GPTQ import.
+    """
+    q, scales = jm.unpack(w)
+    zeros = g_idx = None
+    if "zp" in layout:
+        zeros = jax.random.randint(jax.random.fold_in(key, 1), scales.shape, 0, 16)
+    if "act_order" in layout:
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(key, 2), w.k))
+        g_idx = np.empty(w.k, np.int32)
+        g_idx[order] = np.arange(w.k) // w.group_size
+    return jm.pack(q, scales, w.group_size, zeros=zeros, g_idx=g_idx)
 
 
 # Each takes a list of activations (``--inner`` distinct copies for jax_marlin,
@@ -196,14 +232,14 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
         x32 = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
         xs = {dtype: x32.astype(jnp.dtype(dtype)) for dtype in ("float16", "bfloat16")}
         for v in variants:
-            impl, dtype, group_size = VARIANTS[v]
+            impl, dtype, group_size, layout = VARIANTS[v]
             x, ws = xs[dtype], sets[v]
             # Distinct buffers, so XLA cannot merge the custom calls.
             copies = inner if impl == "jax_marlin" else 1
             xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(copies - 1)]
             median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=copies)
             rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
-                       group_size=group_size, inner=copies, median_us=round(median, 2),
+                       group_size=group_size, layout=layout, inner=copies, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
             if impl == "jax_marlin":
                 moved = ws[0].nbytes + x.dtype.itemsize * (m * k + m * n)

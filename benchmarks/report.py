@@ -44,13 +44,16 @@ LLAMA70B_BLOCKS = 80
 def impl_key(r) -> str:
     """'jax_marlin g128', 'jax_marlin bf16 g128', 'xla_fp16', ...: one per variant.
 
-    From ``impl``, ``dtype`` and ``group_size``, so results written before
-    records had ``variant`` read the same way.
+    From ``impl``, ``dtype``, ``group_size`` and ``layout`` ('zp g128',
+    'act order g128' for imported layouts), so results written before records
+    had ``variant`` (or ``layout``) read the same way.
     """
     if r["impl"] != "jax_marlin":
         return r["impl"]
     dtype = "" if r.get("dtype", "float16") == "float16" else "bf16 "
-    return f"jax_marlin {dtype}g{r['group_size']}"
+    layout = r.get("layout", "sym")
+    layout = "" if layout == "sym" else layout.replace("_", " ") + " "
+    return f"jax_marlin {dtype}{layout}g{r['group_size']}"
 
 
 def normalize_key(name: str) -> str:

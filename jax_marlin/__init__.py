@@ -9,7 +9,7 @@ from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
 from jax_marlin.ops import matmul
 from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
-from jax_marlin.partitioning import shard_weight, weight_specs
+from jax_marlin.partitioning import shard_weight, weight_spec_tree, weight_specs
 from jax_marlin.shapes import GROUP_SIZES, padded_shape
 
 __version__ = "0.1.0"
@@ -26,5 +26,6 @@ __all__ = [
     "reference",
     "shard_weight",
     "unpack",
+    "weight_spec_tree",
     "weight_specs",
 ]

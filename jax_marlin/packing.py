@@ -26,6 +26,22 @@ real rows only. ``jm.matmul`` pads ``x`` with zeros along k and drops the
 padded columns of ``y``; ``unpack`` and ``dequantize`` return the logical
 ``[k, n]``.
 
+Zero points and act-order (checkpoints from other quantizers). A weight may
+carry two more arrays, ``None`` when absent:
+
+* ``zeros``: uint8 ``[k_pad // group_size, n_pad]`` (``[1, n_pad]`` per
+  column), integer zero points 0..15 in natural column order; padded entries
+  hold 8. The weight is then ``(q - zeros) * scales``. The kernel dequantizes
+  with zero point 8 only, so ``jm.matmul`` adds the difference
+  ``(q - z) s - (q - 8) s = (8 - z) s`` as a small dense product after the
+  kernel (``jax_marlin.ops``).
+* ``perm``: int32 ``[k]``, act-order. Rows are stored sorted by group
+  (``perm`` = the stable argsort of the rows' groups ``g_idx``), so each group
+  is a run of ``group_size`` consecutive stored rows, as the kernel needs;
+  stored row ``i`` is the weight's row ``perm[i]`` and ``jm.matmul`` takes
+  ``x[..., perm]``. ``unpack`` and ``dequantize`` return the original row
+  order.
+
 Everything here is written in ``jax.numpy`` with reshapes, transposes and pads
 (no gathers, no Python loops over elements), so it is fast on large weights
 and traceable: ``jax.eval_shape(quantize, w)`` allocates nothing. The array
@@ -69,10 +85,15 @@ class MarlinWeight:
         ``k``, ``n`` for shapes the kernel runs as they are.
       group_size: rows of k sharing one scale (32, 64 or 128), or -1 for one
         scale per column (static).
+      perm: ``None``, or int32 ``[k]`` for act-order weights: stored row ``i``
+        is the weight's row ``perm[i]`` (module doc).
+      zeros: ``None`` (zero point 8), or uint8 ``[k_pad // group_size, n_pad]``
+        (``[1, n_pad]`` for -1) zero points 0..15 in natural column order.
 
-    A pytree: ``qweight`` and ``scales`` are leaves, ``k``, ``n`` and
+    A pytree: ``qweight``, ``scales``, ``perm`` and ``zeros`` are leaves (an
+    absent one, ``None``, is an empty subtree), ``k``, ``n`` and
     ``group_size`` are static metadata, so a ``MarlinWeight`` passes through
-    ``jax.jit``, ``jax.tree.map`` and checkpointing like an array pair.
+    ``jax.jit``, ``jax.tree.map`` and checkpointing like a group of arrays.
     """
 
     qweight: Any
@@ -80,6 +101,8 @@ class MarlinWeight:
     k: int = dataclasses.field(metadata=dict(static=True))
     n: int = dataclasses.field(metadata=dict(static=True))
     group_size: int = dataclasses.field(metadata=dict(static=True))
+    perm: Any = None
+    zeros: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -108,17 +131,19 @@ class MarlinWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of ``qweight`` plus ``scales``."""
-        return (int(np.prod(self.qweight.shape)) * 4 +
-                int(np.prod(self.scales.shape)) * np.dtype(self.scales.dtype).itemsize)
+        """Bytes of ``qweight``, ``scales`` and, when present, ``perm`` and ``zeros``."""
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in (self.qweight, self.scales, self.perm, self.zeros) if a is not None)
 
     def __repr__(self) -> str:
         padded = ""
         q_shape = getattr(self.qweight, "shape", None)
         if q_shape is not None and len(q_shape) >= 2 and self.padded_shape != self.shape:
             padded = f", padded to [{self.k_pad}, {self.n_pad}]"
+        extra = "".join(f", {name}={_describe(a)}" for name, a in
+                        (("perm", self.perm), ("zeros", self.zeros)) if a is not None)
         return (f"MarlinWeight(k={self.k}, n={self.n}, group_size={self.group_size}{padded}, "
-                f"qweight={_describe(self.qweight)}, scales={_describe(self.scales)})")
+                f"qweight={_describe(self.qweight)}, scales={_describe(self.scales)}{extra})")
 
 
 def _describe(a) -> str:
@@ -203,7 +228,8 @@ def _unpermute_scales(scales: jax.Array, group_size: int) -> jax.Array:
 # --- public API ----------------------------------------------------------------
 
 
-def pack(q, scales, group_size: int = 128, dtype=None) -> MarlinWeight:
+def pack(q, scales, group_size: int = 128, dtype=None, *, zeros=None,
+         g_idx=None) -> MarlinWeight:
     """Packs 4-bit values and their scales into a :class:`MarlinWeight`.
 
     Args:
@@ -216,10 +242,17 @@ def pack(q, scales, group_size: int = 128, dtype=None) -> MarlinWeight:
       dtype: float16 or bfloat16, the dtype of the stored scales and of the
         matmul; ``None`` keeps ``scales.dtype`` if it is one of them, else
         float16.
+      zeros: optional integer zero points 0..15, the shape of ``scales``;
+        ``None`` (or all 8) is the kernel's zero point 8.
+      g_idx: optional ``[k]`` integers, the group of each row (act-order).
+        Sorted (stably), the groups must be runs of ``group_size`` rows:
+        ``g_idx[perm] == arange(k) // group_size``. ``None`` (or that order
+        already) is ``row // group_size``. Must be concrete.
 
-    The weight represented is ``(q - 8) * scales`` broadcast over each group
-    of rows, padded with zeros to ``shapes.padded_shape(k, n, group_size)``.
-    Concrete inputs are range-checked; traced ``q`` must already lie in 0..15.
+    The weight represented is ``(q - zeros) * scales`` (zero point 8 without
+    ``zeros``) with the scale and zero point of each row's group, padded with
+    zeros to ``shapes.padded_shape(k, n, group_size)``. Concrete inputs are
+    range-checked; traced ``q`` and ``zeros`` must already lie in 0..15.
     """
     q = jnp.asarray(q)
     scales = jnp.asarray(scales)
@@ -234,12 +267,62 @@ def pack(q, scales, group_size: int = 128, dtype=None) -> MarlinWeight:
         raise ValueError(f"scales.shape = {scales.shape}, expected {expected} for "
                          f"[k, n] = [{k}, {n}] and group_size = {group_size}")
     dtype = _scale_dtype(dtype, scales.dtype)
-    if _is_concrete(q):
-        lo, hi = int(q.min()), int(q.max())
-        if lo < 0 or hi > _MAXQ:
-            raise ValueError(f"q holds values in [{lo}, {hi}]; 4-bit values must lie in 0..15")
+    _check_nibbles("q", q)
+    if zeros is not None:
+        zeros = jnp.asarray(zeros)
+        if zeros.shape != expected or not jnp.issubdtype(zeros.dtype, jnp.integer):
+            raise ValueError(f"zeros: {zeros.dtype}{list(zeros.shape)}, expected integers of "
+                             f"the scales' shape {expected}")
+        _check_nibbles("zeros", zeros)
+        if _is_concrete(zeros) and bool((zeros == _ZERO_POINT).all()):
+            zeros = None  # the kernel's own zero point: nothing to correct
+    perm = None if g_idx is None else _act_order(g_idx, k, group_size)
+    if perm is not None:
+        q = q[perm]
     qweight, scales = _pack(q, scales, k_pad, n_pad, group_size, dtype)
-    return MarlinWeight(qweight, scales, k=k, n=n, group_size=group_size)
+    if zeros is not None:
+        zeros = _pad_zeros(zeros, k_pad, n_pad, group_size)
+    return MarlinWeight(qweight, scales, k=k, n=n, group_size=group_size, perm=perm,
+                        zeros=zeros)
+
+
+def _check_nibbles(name: str, a) -> None:
+    if _is_concrete(a) and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > _MAXQ:
+            raise ValueError(f"{name} holds values in [{lo}, {hi}]; 4-bit values must lie "
+                             f"in 0..15")
+
+
+def _act_order(g_idx, k: int, group_size: int):
+    """int32 ``perm [k]`` sorting the rows by group, or ``None`` if they are in order."""
+    if not _is_concrete(g_idx):
+        raise ValueError("g_idx must be concrete (a numpy or jax array outside jit): the "
+                         "row order it gives decides the packed layout")
+    g_idx = np.asarray(g_idx)
+    if g_idx.shape != (k,) or not np.issubdtype(g_idx.dtype, np.integer):
+        raise ValueError(f"g_idx: {g_idx.dtype}{list(g_idx.shape)}, expected integers [{k}], "
+                         f"the group of each row")
+    perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+    in_groups = np.arange(k) // _group_rows(k, group_size)
+    if not np.array_equal(g_idx[perm], in_groups):
+        sizes = np.bincount(g_idx.clip(0), minlength=int(in_groups[-1]) + 1) if k else []
+        raise ValueError(
+            f"g_idx does not group the rows in runs of group_size = {group_size}: sorted, "
+            f"the groups must be 0, 1, ... with {_group_rows(k, group_size)} rows each (the "
+            f"last may be shorter); g_idx holds values in [{int(g_idx.min())}, "
+            f"{int(g_idx.max())}] with group sizes {sorted(set(int(c) for c in sizes))}")
+    if np.array_equal(perm, np.arange(k)):
+        return None
+    return jnp.asarray(perm)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _pad_zeros(zeros, k_pad, n_pad, group_size):
+    groups_pad = shapes.num_groups(k_pad, group_size)
+    return jnp.pad(zeros.astype(jnp.uint8), ((0, groups_pad - zeros.shape[0]),
+                                             (0, n_pad - zeros.shape[1])),
+                   constant_values=_ZERO_POINT)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -258,20 +341,37 @@ def _unpack_padded(qweight, scales, group_size):
     return _unpack_nibbles(qweight, k_pad, n_pad), _unpermute_scales(scales, group_size)
 
 
-def unpack(w: MarlinWeight) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`pack`, on the logical shape.
+def unpack(w: MarlinWeight):
+    """Inverse of :func:`pack`, on the logical shape and in the original row order.
 
     Returns ``(q [k, n] int32 in 0..15, scales [ceil(k / group_size), n])``
     (``[1, n]`` for -1), the scales in their stored dtype and natural order.
+    A weight with zero points or act-order (``w.zeros`` or ``w.perm`` set)
+    gives ``(q, scales, zeros, g_idx)``: ``zeros`` int32 like ``scales`` (8
+    where the weight has none), ``g_idx`` int32 ``[k]``, the group of each
+    row, so that ``pack(q, scales, group_size, zeros=zeros, g_idx=g_idx)``
+    packs it again.
     """
     _check_weight(w)
-    return _unpack(w.qweight, w.scales, w.k, w.n, w.group_size)
+    q, scales, zeros, g_idx = _unpack(w.qweight, w.scales, w.perm, w.zeros, w.k, w.n,
+                                      w.group_size)
+    if w.perm is None and w.zeros is None:
+        return q, scales
+    return q, scales, zeros, g_idx
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _unpack(qweight, scales, k, n, group_size):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _unpack(qweight, scales, perm, zeros, k, n, group_size):
     q, scales = _unpack_padded(qweight, scales, group_size)
-    return q[:k, :n].astype(jnp.int32), scales[:shapes.num_groups(k, group_size), :n]
+    groups = shapes.num_groups(k, group_size)
+    q, scales = q[:k, :n].astype(jnp.int32), scales[:groups, :n]
+    g_idx = jnp.arange(k, dtype=jnp.int32) // _group_rows(k, group_size)
+    if perm is not None:  # stored row i is row perm[i]
+        q = jnp.zeros_like(q).at[perm].set(q)
+        g_idx = jnp.zeros_like(g_idx).at[perm].set(g_idx)
+    zeros = (jnp.full((groups, n), _ZERO_POINT, jnp.int32) if zeros is None
+             else zeros[:groups, :n].astype(jnp.int32))
+    return q, scales, zeros, g_idx
 
 
 def quantize(weight, group_size: int = 128, dtype=None) -> MarlinWeight:
@@ -365,23 +465,28 @@ def _check_scale_range(largest: float, smallest: float, zeroed: float, *, dtype,
 def dequantize(w: MarlinWeight, dtype=None) -> jax.Array:
     """The weight a :class:`MarlinWeight` represents, ``[k, n]`` (logical) in ``dtype``.
 
-    ``dtype=None`` gives the scales' dtype. ``(q - 8) * scale`` is exact in
-    float32 (a 4-bit integer times a float16 or bfloat16), so
-    ``dtype=jnp.float32`` gives the exact values the kernel multiplies by.
+    ``(q - zero) * scale`` row by row, in the original row order (act-order
+    undone) and with the weight's zero points (8 without). ``dtype=None``
+    gives the scales' dtype. The product is exact in float32 (an integer in
+    -15..15 times a float16 or bfloat16), so ``dtype=jnp.float32`` gives the
+    exact values ``jm.matmul`` multiplies by.
     """
     _check_weight(w)
-    return _dequantize(w.qweight, w.scales, w.k, w.n, w.group_size,
+    return _dequantize(w.qweight, w.scales, w.perm, w.zeros, w.k, w.n, w.group_size,
                        w.dtype if dtype is None else np.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _dequantize(qweight, scales, k, n, group_size, dtype):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _dequantize(qweight, scales, perm, zeros, k, n, group_size, dtype):
     q, scales = _unpack_padded(qweight, scales, group_size)
     k_pad, n_pad = q.shape
     g = _group_rows(k_pad, group_size)
-    vals = (q.astype(jnp.float32) - _ZERO_POINT).reshape(k_pad // g, g, n_pad)
-    full = (vals * scales.astype(jnp.float32)[:, None, :]).reshape(k_pad, n_pad)
-    return full[:k, :n].astype(dtype)
+    zero = _ZERO_POINT if zeros is None else zeros.astype(jnp.float32)[:, None, :]
+    vals = q.astype(jnp.float32).reshape(k_pad // g, g, n_pad) - zero
+    full = (vals * scales.astype(jnp.float32)[:, None, :]).reshape(k_pad, n_pad)[:k, :n]
+    if perm is not None:  # stored row i is row perm[i]
+        full = jnp.zeros_like(full).at[perm].set(full)
+    return full.astype(dtype)
 
 
 def _check_weight(w) -> None:
@@ -404,3 +509,11 @@ def _check_weight(w) -> None:
     if s_shape != expected_s:
         raise ValueError(f"scales.shape = {s_shape}, expected {expected_s} for "
                          f"[k_pad, n_pad] = [{w.k_pad}, {w.n_pad}], group_size = {w.group_size}")
+    if w.zeros is not None and (tuple(w.zeros.shape) != expected_s
+                                or np.dtype(w.zeros.dtype) != np.uint8):
+        raise ValueError(f"zeros: {_describe(w.zeros)}, expected uint8{list(expected_s)} "
+                         f"(the scales' shape)")
+    if w.perm is not None and (tuple(w.perm.shape) != (w.k,)
+                               or np.dtype(w.perm.dtype) != np.int32):
+        raise ValueError(f"perm: {_describe(w.perm)}, expected int32[{w.k}] (one stored row "
+                         f"per row of k = {w.k})")

@@ -59,6 +59,14 @@ is still computed exactly: the partitioner gathers the offending dimension of
 the weight (``k`` first, then ``n``) and emits a ``UserWarning`` saying so.
 It never runs the kernel on a misaligned shard.
 
+Imported weights (``jm.matmul`` handles them around this op): an act-order
+weight's ``perm`` is replicated and the weight runs with ``m`` or ``n``
+sharded only (:func:`shard_weight` and the partitioner refuse ``k``); zero
+points are placed like the scales, and their correction, a plain float32 dot
+in ``jm.matmul``, is partitioned by XLA: with ``k`` sharded it is summed over
+``k``'s axes too (a second all-reduce, which XLA may combine with the
+kernel's).
+
 Precision of the row-parallel reduction: the kernel rounds each partial
 product to ``x``'s dtype and the all-reduce adds them in that dtype. Adding
 them in float32 would double the all-reduce's bytes for an error far below
@@ -89,7 +97,7 @@ from jax_marlin._compat import ir
 from jax_marlin.packing import MarlinWeight
 from jax_marlin.primitive import marlin_matmul_p
 
-__all__ = ["matmul", "shard_weight", "weight_specs"]
+__all__ = ["matmul", "shard_weight", "weight_spec_tree", "weight_specs"]
 
 # Packed tiles (packing.py): 16 weight rows per qweight row; 64 weight columns
 # (the kernel's narrowest n tile) per chunk of 128 int32 words in qweight and
@@ -124,6 +132,21 @@ def weight_specs(spec: PartitionSpec, group_size: int) -> tuple[PartitionSpec, P
     return PartitionSpec(k_spec, n_spec), PartitionSpec(scales_k, n_spec)
 
 
+def weight_spec_tree(w: MarlinWeight, spec: PartitionSpec) -> MarlinWeight:
+    """A ``MarlinWeight`` of PartitionSpecs for ``w`` sharded as ``spec``: one per leaf.
+
+    ``qweight`` and ``scales`` as :func:`weight_specs`; the zero points
+    (``[groups, n_pad]``, natural column order) like the scales; an
+    act-order ``perm [k]`` replicated. The tree matches ``w``'s, so it can be
+    given to ``jax.device_put``, ``with_sharding_constraint`` or as
+    ``in_shardings``.
+    """
+    q_spec, s_spec = weight_specs(spec, w.group_size)
+    return MarlinWeight(q_spec, s_spec, w.k, w.n, w.group_size,
+                        perm=None if w.perm is None else PartitionSpec(None),
+                        zeros=None if w.zeros is None else s_spec)
+
+
 def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) -> MarlinWeight:
     """Places ``w`` on ``mesh``, sharded over its logical ``[k, n]`` as ``spec``.
 
@@ -143,10 +166,14 @@ def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) 
       valid ``MarlinWeight`` of ``[k_local, n_local]`` (of the padded weight).
 
     Raises:
-      ValueError: an axis name is not in ``mesh``, or a shard would not run on
+      ValueError: an axis name is not in ``mesh``, a shard would not run on
         the kernel (``n_local`` not a multiple of 64, ``k_local`` not a multiple
-        of the group size, ...); the message names the dimension, its mesh axes
-        and the local size.
+        of the group size, ...; the message names the dimension, its mesh axes
+        and the local size), or an act-order weight (``w.perm``) is sharded
+        along ``k``, which is not supported yet.
+
+    Zero points are sharded like the scales; an act-order ``perm`` is
+    replicated (``m`` and ``n`` sharding only).
     """
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"w must be a jax_marlin.MarlinWeight, got {type(w).__name__}")
@@ -159,15 +186,21 @@ def shard_weight(w: MarlinWeight, mesh: jax.sharding.Mesh, spec: PartitionSpec) 
     if set(k_axes) & set(n_axes):
         raise ValueError(f"spec {spec} shards both k and n over mesh axes "
                          f"{sorted(set(k_axes) & set(n_axes))}; an axis can split one dimension")
+    if w.perm is not None and k_axes:
+        raise ValueError(_act_order_k_error(f"cannot shard {w!r} as {spec}", k_axes))
     error = _layout_error(w.k_pad, w.n_pad, w.group_size, k_axes, n_axes, mesh.shape)
     if error is not None:
         raise ValueError(f"cannot shard {w!r} as {spec}: {error}")
-    q_spec, s_spec = weight_specs(spec, w.group_size)
-    return MarlinWeight(
-        qweight=jax.device_put(w.qweight, NamedSharding(mesh, q_spec)),
-        scales=jax.device_put(w.scales, NamedSharding(mesh, s_spec)),
-        k=w.k, n=w.n, group_size=w.group_size,
-    )
+    specs = weight_spec_tree(w, spec)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return jax.device_put(w, shardings)
+
+
+def _act_order_k_error(what: str, k_axes) -> str:
+    return (f"{what}: the weight is act-order (it has a perm) and k is sharded over mesh "
+            f"axes {tuple(k_axes)}; act-order weights run with m or n sharded only (their "
+            f"rows are stored by group, not in x's order), so shard n or replicate k")
 
 
 def _logical_entries(spec) -> tuple:
@@ -230,16 +263,19 @@ def _layout_error(k: int, n: int, group_size: int, k_axes, n_axes, mesh_shape) -
 # --- the partitioned op ------------------------------------------------------------
 
 
-def _full_matmul(x, qweight, scales, bias, k, n, group_size, poison_output):
+def _full_matmul(x, qweight, scales, bias, k, n, group_size, poison_output, act_order):
     # The unpartitioned computation: what runs on one device, eagerly, and what
-    # the partitioner's shapes are derived from.
+    # the partitioner's shapes are derived from. act_order only decides which
+    # layouts are refused (an act-order weight is never split along k).
+    del act_order
     return marlin_matmul_p.bind(x, qweight, scales, bias, k=k, n=n, group_size=group_size,
                                 poison_output=poison_output)
 
 
-def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_types):
+def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_types,
+                   result_types):
     """The Shardy rule for ``(x [..., k], qweight, scales, bias) -> y [..., n]`` (module doc)."""
-    del poison_output, mesh, result_types
+    del poison_output, act_order, mesh, result_types
     has_bias = _has_bias(operand_types[3])
     k_rows = CompoundFactor("k_blocks", "k_rows", "k_tile")
     q_rows = CompoundFactor("k_blocks", "k_rows")
@@ -273,7 +309,7 @@ def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_
     )
 
 
-def _choose_layout(k, n, group_size, mesh, x_sharding, q_sharding, x_ndim, *, warn):
+def _choose_layout(k, n, group_size, act_order, mesh, x_sharding, q_sharding, x_ndim, *, warn):
     """``(batch_entries, k_axes, n_axes)`` to run on, from the operands' shardings.
 
     The weight's sharding decides ``k`` and ``n`` (moving the weight is what
@@ -291,6 +327,10 @@ def _choose_layout(k, n, group_size, mesh, x_sharding, q_sharding, x_ndim, *, wa
         return (None,) * (x_ndim - 1), (), ()
     q_entries = tuple(q_sharding.spec) + (None,) * (2 - len(q_sharding.spec))
     k_axes, n_axes = _axes(q_entries[0]), _axes(q_entries[1])
+    if act_order and k_axes:
+        raise ValueError(_act_order_k_error(
+            f"jm.matmul: the weight [k, n] = [{k}, {n}] is sharded as {q_sharding.spec} "
+            f"(qweight)", k_axes))
     error = _layout_error(k, n, group_size, k_axes, n_axes, mesh.shape)
     if error is not None:
         # Gathering k first keeps the result free of an all-reduce; the full
@@ -325,12 +365,12 @@ def _shardings(mesh, group_size, batch, k_axes, n_axes, has_bias):
     return args, NamedSharding(mesh, PartitionSpec(*batch, n_entry))
 
 
-def _partition(k, n, group_size, poison_output, mesh, arg_shapes, result_shape):
+def _partition(k, n, group_size, poison_output, act_order, mesh, arg_shapes, result_shape):
     """Per-shard computation: the kernel on ``[k_local, n_local]``, psum over ``k``'s axes."""
     del result_shape
     x, qweight, _, bias = arg_shapes
     has_bias = _has_bias(bias)
-    batch, k_axes, n_axes = _choose_layout(k, n, group_size, mesh, x.sharding,
+    batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=True)
     k_local = k // _shards(k_axes, mesh.shape)
     n_local = n // _shards(n_axes, mesh.shape)
@@ -353,18 +393,18 @@ def _partition(k, n, group_size, poison_output, mesh, arg_shapes, result_shape):
     return mesh, local, result_sharding, arg_shardings
 
 
-def _infer_sharding_from_operands(k, n, group_size, poison_output, mesh, arg_shapes,
+def _infer_sharding_from_operands(k, n, group_size, poison_output, act_order, mesh, arg_shapes,
                                   result_shape):
     # Only used by the GSPMD partitioner (jax_use_shardy_partitioner=False);
     # _partition warns about the same layout.
     del poison_output, result_shape
     x, qweight, _, bias = arg_shapes
-    batch, k_axes, n_axes = _choose_layout(k, n, group_size, mesh, x.sharding,
+    batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=False)
     return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_bias(bias))[1]
 
 
-_partitioned = custom_partitioning(_full_matmul, static_argnums=(4, 5, 6, 7))
+_partitioned = custom_partitioning(_full_matmul, static_argnums=(4, 5, 6, 7, 8))
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer_sharding_from_operands,
@@ -376,11 +416,12 @@ _partitioned.def_partition(
 
 
 def matmul(x, qweight, scales, bias, k: int, n: int, group_size: int,
-           poison_output: bool) -> jax.Array:
+           poison_output: bool, act_order: bool) -> jax.Array:
     """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
 
     ``k``, ``n`` are the padded sizes; ``bias`` is ``[n]`` or ``[0]`` (no
     bias). ``jm.matmul`` calls this after it has checked and padded its
-    arguments.
+    arguments (and put ``x`` in an act-order weight's row order:
+    ``act_order`` then refuses a weight sharded along ``k``).
     """
-    return _partitioned(x, qweight, scales, bias, k, n, group_size, poison_output)
+    return _partitioned(x, qweight, scales, bias, k, n, group_size, poison_output, act_order)

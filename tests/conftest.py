@@ -84,3 +84,26 @@ def rel_err(y, ref) -> float:
     y = np.asarray(y, np.float64)
     assert np.isfinite(y).all(), "output has NaN/inf (an unwritten or overflowed element)"
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def imported_weight(rng, k, n, group_size, *, zeros=True, act_order=True, dtype=np.float16):
+    """A ``MarlinWeight`` as imported from an asymmetric / act-order checkpoint.
+
+    Returns ``(w, weight)``, ``weight [k, n]`` float64 the exact
+    ``(q - zeros[g_idx]) * scales[g_idx]`` it represents, computed here from
+    the integers (not by jax_marlin). Random zero points 0..15; act-order
+    rows grouped in a random order.
+    """
+    rows = k if group_size == -1 else group_size
+    groups = -(-k // rows)
+    q = rng.integers(0, 16, (k, n))
+    scales = rng.uniform(0.5, 2.0, (groups, n)).astype(dtype) / 16
+    z = rng.integers(0, 16, (groups, n)) if zeros else np.full((groups, n), 8)
+    g_idx = np.arange(k) // rows
+    if act_order:
+        g_idx = np.empty(k, np.int64)
+        g_idx[rng.permutation(k)] = np.arange(k) // rows
+    w = jm.pack(q, scales, group_size, zeros=z if zeros else None,
+                g_idx=g_idx if act_order else None)
+    weight = (q - z[g_idx]).astype(np.float64) * np.asarray(scales, np.float64)[g_idx]
+    return w, weight

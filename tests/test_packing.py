@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
-from conftest import ODD, random_weight
+from conftest import ODD, imported_weight, random_weight
 
 SHAPES = [(64, 128), (128, 64), (256, 256), (384, 192), (1024, 512)]
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -334,3 +335,75 @@ def test_fp16_scale_underflow(rng):
         warnings.simplefilter("error")
         jm.quantize(random_weight(rng, 128, 128) * 1e3)
         jm.quantize(random_weight(rng, 128, 128) * 1e-5)
+
+
+# --- zero points and act-order -------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("k,n", [(256, 128), (1000, 576)])
+def test_zeros_and_act_order_roundtrip(rng, k, n, group_size):
+    w, weight = imported_weight(rng, k, n, group_size, act_order=group_size != -1)
+    assert w.zeros.dtype == np.uint8 and w.zeros.shape == w.scales.shape
+    assert (w.perm is not None) == (group_size != -1)
+    # dequantize: the original row order, the weight's own zero points, exactly.
+    np.testing.assert_array_equal(np.asarray(jm.dequantize(w, jnp.float32), np.float64), weight)
+    q, scales, zeros, g_idx = jm.unpack(w)
+    w2 = jm.pack(q, scales, group_size, zeros=zeros, g_idx=g_idx)
+    for field in ("qweight", "scales", "zeros", "perm"):
+        a, b = getattr(w, field), getattr(w2, field)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if w.padded_shape != w.shape:  # padded zero points are 8: padding stays zero
+        groups = jm.unpack(w)[1].shape[0]
+        assert (np.asarray(w.zeros)[groups:] == 8).all() and (np.asarray(w.zeros)[:, n:] == 8).all()
+    assert w.nbytes == (w.qweight.nbytes + w.scales.nbytes + w.zeros.nbytes
+                        + (0 if w.perm is None else w.perm.nbytes))
+
+
+def test_trivial_zeros_and_g_idx_store_nothing(rng):
+    q = rng.integers(0, 16, (256, 128))
+    scales = np.ones((2, 128), np.float16)
+    w = jm.pack(q, scales, 128, zeros=np.full((2, 128), 8), g_idx=np.arange(256) // 128)
+    assert w.zeros is None and w.perm is None
+    q2, s2 = jm.unpack(w)  # a plain weight unpacks to (q, scales)
+    np.testing.assert_array_equal(np.asarray(q2), q)
+
+
+def test_positional_constructor_and_pytree(rng):
+    w, _ = imported_weight(rng, 256, 128, 64)
+    plain = jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, w.group_size)
+    assert plain.perm is None and plain.zeros is None
+    assert len(jax.tree.leaves(plain)) == 2 and len(jax.tree.leaves(w)) == 4
+    doubled = jax.jit(lambda w: w)(w)
+    np.testing.assert_array_equal(np.asarray(doubled.perm), np.asarray(w.perm))
+    assert "perm=int32[256], zeros=uint8[4, 128]" in repr(w)
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda q, s: jm.pack(q, s, 64, zeros=np.full((4, 128), 16)), ValueError,
+     r"zeros holds values in \[16, 16\]"),
+    (lambda q, s: jm.pack(q, s, 64, zeros=np.full((2, 128), 8)), ValueError,
+     r"zeros: int\d+\[2, 128\], expected integers of the scales' shape \(4, 128\)"),
+    (lambda q, s: jm.pack(q, s, 64, g_idx=np.arange(255)), ValueError,
+     r"g_idx: int64\[255\], expected integers \[256\]"),
+    (lambda q, s: jm.pack(q, s, 64, g_idx=np.arange(256) // 32), ValueError,
+     r"g_idx does not group the rows in runs of group_size = 64.*values in \[0, 7\]"),
+    (lambda q, s: jax.jit(lambda g: jm.pack(q, s, 64, g_idx=g))(np.arange(256) // 64),
+     ValueError, "g_idx must be concrete"),
+])
+def test_zeros_and_g_idx_errors(rng, make, error, match):
+    q = rng.integers(0, 16, (256, 128))
+    s = np.ones((4, 128), np.float16)
+    with pytest.raises(error, match=match):
+        make(q, s)
+
+
+def test_inconsistent_perm_or_zeros_raise(rng):
+    w, _ = imported_weight(rng, 256, 128, 64)
+    with pytest.raises(ValueError, match=r"perm: int32\[255\], expected int32\[256\]"):
+        jm.dequantize(dataclasses.replace(w, perm=w.perm[1:]))
+    with pytest.raises(ValueError, match=r"zeros: int32\[4, 128\], expected uint8\[4, 128\]"):
+        jm.matmul(np.ones((1, 256), np.float16),
+                  dataclasses.replace(w, zeros=w.zeros.astype(jnp.int32)))

@@ -15,8 +15,16 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
-from conftest import BF16_U, FP16_U, float64_reference, random_weight, random_x, rel_err
-from jax_marlin.partitioning import shard_weight, weight_specs
+from conftest import (
+    BF16_U,
+    FP16_U,
+    float64_reference,
+    imported_weight,
+    random_weight,
+    random_x,
+    rel_err,
+)
+from jax_marlin.partitioning import shard_weight, weight_spec_tree, weight_specs
 
 # Row parallel (k sharded) adds P float16 partial products, each rounded once,
 # with P - 1 float16 additions, instead of rounding one float32 sum: measured
@@ -314,3 +322,67 @@ def test_gspmd_partitioner(rng, mesh, gspmd, layout):
     y = jax.jit(jm.matmul)(xs, ws)
     assert y.sharding.spec == y_spec
     assert rel_err(y, float64_reference(x, w)) <= (K_TOL if k_sharded else FP16_U + 1e-5)
+
+
+# --- zero points and act-order ----------------------------------------------------------
+
+# Zero points: two roundings of y (tests/test_ops.py, ZP_TOLS); with k sharded,
+# the float16 partial products besides.
+ZP_TOL = 2 * FP16_U
+ZP_K_TOL = 3 * FP16_U
+
+
+def test_weight_spec_tree(rng):
+    w, _ = imported_weight(rng, 256, 128, 64)
+    specs = weight_spec_tree(w, P(None, "model"))
+    assert (specs.qweight, specs.scales, specs.zeros, specs.perm) == (
+        P(None, "model"), P(None, "model"), P(None, "model"), P(None))
+    plain = weight_spec_tree(jm.quantize(random_weight(rng, 256, 128), 64), P("model", None))
+    assert plain.perm is None and plain.zeros is None
+    assert jax.tree.structure(specs, is_leaf=lambda a: isinstance(a, P)) == \
+        jax.tree.structure(w)
+
+
+# Act-order with k sharded is refused (test below).
+@pytest.mark.parametrize("layout,act_order", [
+    ("n", False), ("m", False), ("data-x-n", False), ("k", False), ("data-x-k", False),
+    ("n", True), ("m", True), ("data-x-n", True)])
+def test_zeros_and_act_order_sharded(rng, mesh, layout, act_order):
+    x_spec, w_spec, y_spec, k_sharded = LAYOUTS[layout]
+    k, n = 1024, 512
+    w, weight = imported_weight(rng, k, n, 128, act_order=act_order)
+    x = random_x(rng, 4, 8, k)
+    ws = shard_weight(w, mesh, w_spec)
+    assert ws.zeros.sharding.spec == ws.scales.sharding.spec
+    if act_order:
+        assert ws.perm.sharding.spec == P(None)
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    y = jax.jit(jm.matmul)(xs, ws)
+    assert y.sharding.spec == y_spec
+    ref = np.asarray(x, np.float64) @ weight
+    assert rel_err(y, ref) <= (ZP_K_TOL if k_sharded else ZP_TOL)
+    found = collectives(jm.matmul, xs, ws)
+    if k_sharded:
+        # The kernel's partial products and the zero-point correction are
+        # each summed over k's shards: XLA may combine the two all-reduces.
+        assert found["all-reduce"] in (1, 2)
+        assert found == dict(expected_collectives(), **{"all-reduce": found["all-reduce"]})
+    else:
+        assert found == expected_collectives()
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
+
+
+def test_act_order_refuses_k_sharding(rng, mesh):
+    w, _ = imported_weight(rng, 1024, 512, 128, zeros=False)
+    with pytest.raises(ValueError, match=r"act-order \(it has a perm\) and k is sharded over "
+                                         r"mesh axes \('model',\)"):
+        shard_weight(w, mesh, P("model", None))
+    # Placed around shard_weight: the partitioner refuses it too (XLA hands
+    # the ValueError back as a JaxRuntimeError carrying its message).
+    placed = jax.device_put(w, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                            weight_spec_tree(w, P("model", None)),
+                                            is_leaf=lambda s: isinstance(s, P)))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"ValueError: jm.matmul: the weight \[k, n\] = \[1024, 512\] "
+                             r"is sharded as .* act-order"):
+        jax.jit(jm.matmul)(random_x(rng, 8, 1024), placed)

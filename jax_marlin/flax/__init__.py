@@ -5,7 +5,8 @@
 
 NNX (:mod:`jax_marlin.flax.nnx`): ``MarlinLinear`` keeps its packed
 ``MarlinWeight`` in a :class:`QuantizedWeight` variable (not an ``nnx.Param``);
-``quantize_model`` swaps every fitting ``nnx.Linear`` of a model for one.
+``quantize_model`` swaps every fitting ``nnx.Linear`` of a model for one;
+``load_quantized`` does so with weights loaded by :mod:`jax_marlin.formats`.
 
 Linen (:mod:`jax_marlin.flax.linen`): ``MarlinDense`` keeps its packed weight
 in the ``"marlin"`` collection; ``dense_to_marlin`` / ``params_to_marlin``
@@ -17,6 +18,7 @@ core ``jax_marlin`` package does not import this subpackage.
 
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.flax.linen import MARLIN_COLLECTION, MarlinDense, dense_to_marlin, params_to_marlin
+from jax_marlin.flax.loading import load_quantized
 from jax_marlin.flax.nnx import (
     MarlinLinear,
     QuantizedLayer,
@@ -37,6 +39,7 @@ __all__ = [
     "SkippedLayer",
     "dense_to_marlin",
     "get_partition_spec",
+    "load_quantized",
     "matmul_dtype",
     "params_to_marlin",
     "quantize_model",

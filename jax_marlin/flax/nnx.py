@@ -27,7 +27,7 @@ from jax_marlin import shapes
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.packing import MarlinWeight, quantize
 from jax_marlin.ops import matmul
-from jax_marlin.partitioning import weight_specs
+from jax_marlin.partitioning import weight_spec_tree
 
 __all__ = [
     "MarlinLinear",
@@ -56,10 +56,12 @@ class QuantizedWeight(nnx.Variable):
     """An ``nnx.Variable`` holding a :class:`~jax_marlin.MarlinWeight`.
 
     Its value is the whole ``MarlinWeight`` pytree (``qweight`` int32
-    ``[k_pad // 16, 2 n_pad]``, ``scales`` float16 or bfloat16 ``[groups, n_pad]``;
-    ``k``, ``n``, ``group_size`` static), so ``nnx.state``, ``nnx.update``, ``nnx.split`` /
-    ``nnx.merge`` and Orbax see two arrays per layer. Not an ``nnx.Param``: the
-    packed integers are not trainable.
+    ``[k_pad // 16, 2 n_pad]``, ``scales`` float16 or bfloat16 ``[groups, n_pad]``,
+    and for weights imported with zero points or act-order ``zeros`` and
+    ``perm``; ``k``, ``n``, ``group_size`` static), so ``nnx.state``,
+    ``nnx.update``, ``nnx.split`` / ``nnx.merge`` and Orbax see two (to four)
+    arrays per layer. Not an ``nnx.Param``: the packed integers are not
+    trainable.
     """
 
 
@@ -123,9 +125,8 @@ class MarlinLinear(nnx.Module):
         if sharding and nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty:
             # Flax's own eager sharding would put one spec on both leaves,
             # which per-column scales ([1, n]) cannot take along k.
-            q_spec, s_spec = weight_specs(jax.sharding.PartitionSpec(*sharding), group_size)
             packed = jax.lax.with_sharding_constraint(
-                packed, MarlinWeight(q_spec, s_spec, packed.k, packed.n, packed.group_size))
+                packed, weight_spec_tree(packed, jax.sharding.PartitionSpec(*sharding)))
         self.weight = QuantizedWeight(packed, eager_sharding=False, **metadata)
         self.bias: nnx.Param | None
         if use_bias:
@@ -194,8 +195,10 @@ def get_partition_spec(tree):
     A ``QuantizedWeight`` annotated (through ``nnx.with_partitioning`` on the
     kernel) with ``out_sharding`` over the logical ``(in_features,
     out_features)`` dims gets a ``MarlinWeight`` of two specs,
-    ``jax_marlin.weight_specs``: ``qweight`` follows (k, n); per-column scales
-    stay replicated along k. Everything else is as ``nnx.get_partition_spec``.
+    ``jax_marlin.weight_spec_tree``: ``qweight`` follows (k, n); per-column
+    scales stay replicated along k; zero points follow the scales and an
+    act-order ``perm`` is replicated. Everything else is as
+    ``nnx.get_partition_spec``.
     Use it in place of that in the usual flow::
 
         specs = get_partition_spec(nnx.state(model))
@@ -209,8 +212,7 @@ def get_partition_spec(tree):
         w = var.get_value()
         spec_value = spec.get_value()
         if isinstance(w, MarlinWeight) and isinstance(spec_value, jax.sharding.PartitionSpec):
-            q_spec, s_spec = weight_specs(spec_value, w.group_size)
-            return spec.replace(MarlinWeight(q_spec, s_spec, w.k, w.n, w.group_size))
+            return spec.replace(weight_spec_tree(w, spec_value))
         return spec
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
