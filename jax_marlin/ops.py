@@ -62,6 +62,8 @@ def _check_arguments(x, w, bias) -> None:
         raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
                         f"got {type(w).__name__}")
     _check_weight(w)
+    if w.qweight.dtype != jnp.int32:  # the kernel's abstract eval sees it only when lowered
+        raise TypeError(f"qweight.dtype is {w.qweight.dtype}, expected int32 (8 nibbles a word)")
     shapes.check_dtypes(x.dtype, w.scales.dtype, None if bias is None else bias.dtype)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension, [..., k]")
