@@ -87,6 +87,18 @@ def toy_batch(key, batch, seq, vocab):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@nnx.jit
+def train_step(model, optimizer, tokens, targets):
+    """One Adam step on the adapters (``nnx.LoRAParam``) only; returns the loss."""
+    def loss_fn(model):
+        logits = model(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="a smaller model, for a quick run")
@@ -103,16 +115,6 @@ def main():
     frozen = jax.tree.map(np.asarray, nnx.state(model, nnx.Not(nnx.LoRAParam)))
 
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.LoRAParam)
-
-    @nnx.jit
-    def train_step(model, optimizer, tokens, targets):
-        def loss_fn(model):
-            logits = model(tokens)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-        optimizer.update(model, grads)
-        return loss
 
     key = jax.random.key(1)
     losses = []

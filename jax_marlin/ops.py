@@ -171,6 +171,17 @@ def _transpose(ct, x, *rest, weight_tree, poison_output):
     if type(ct) is ad.Zero:
         return [None] * (1 + len(rest))
     _, w, _ = _unbind((x.aval, *rest), weight_tree)
+    mesh = next((m for m in (jax.typeof(a).sharding.mesh for a in (ct, *jax.tree.leaves(w)))
+                 if m.explicit_axes), None)
+    if mesh is not None:
+        # Explicitly sharded types: dequantize's reshapes of the packed tiles
+        # do not say how their shards map, so the transposed product runs with
+        # the mesh's axes automatic (the partitioner keeps the shards) and
+        # gives x's cotangent x's sharding.
+        with jax.sharding.use_abstract_mesh(mesh):
+            transposed = jax.sharding.auto_axes(_matmul_transposed,
+                                                out_sharding=x.aval.sharding.spec)
+            return [transposed(ct, w)] + [None] * len(rest)
     return [_matmul_transposed(ct, w)] + [None] * len(rest)
 
 

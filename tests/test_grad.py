@@ -173,16 +173,21 @@ def _collectives(fn, *args) -> dict[str, int]:
     return {c: n for c in COLLECTIVES if (n := len(re.findall(rf" {c}(?:-start)?\(", text)))}
 
 
-@pytest.fixture(scope="module")
-def mesh():
+def _mesh(axis_type):
     if len(jax.devices("cpu")) < 8:
         pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
                          devices=jax.devices("cpu")[:8])
 
 
+@pytest.fixture(scope="module")
+def mesh():
+    return _mesh(AxisType.Auto)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("layout", ["column", "row"])
-def test_sharded_gradient(rng, mesh, layout):
+def test_sharded_gradient(rng, layout, axis_type):
     # The transpose of a column-parallel layer is row parallel: the cotangent
     # of x sums over the sharded n, one all-reduce. The transpose of a
     # row-parallel layer is column parallel: none (the loss is linear in y,
@@ -197,11 +202,18 @@ def test_sharded_gradient(rng, mesh, layout):
     def loss(x, w):
         return jnp.sum(jm.matmul(x, w).astype(jnp.float32) * cotangent)
 
+    mesh = _mesh(axis_type)  # jax.make_mesh's default is Explicit
     spec = P(None, "model") if layout == "column" else P("model", None)
     args = (jax.device_put(x, NamedSharding(mesh, P("data"))), jm.shard_weight(w, mesh, spec))
     expected = {"all-reduce": 1} if layout == "column" else {}
+    if layout == "row" and axis_type == AxisType.Explicit:
+        # x's type says [m over data, k replicated]: its cotangent, computed
+        # with k sharded, is gathered along k to that type.
+        expected = {"all-gather": 1}
     assert _collectives(jax.grad(loss), *args) == expected
     g = jax.jit(jax.grad(loss))(*args)
+    if axis_type == AxisType.Explicit:  # the cotangent has x's sharding
+        assert g.sharding.spec == P("data", None)
     assert rel_err(g, cotangent.astype(np.float64) @ _dense(w).T) <= BWD_TOLS[np.dtype(np.float16)]
 
 
