@@ -1,7 +1,9 @@
 """``jm.matmul``: the public op, with argument checks, padding, autodiff and ``vmap``.
 
 The layers, top down: this module checks the user's arguments once (in
-logical sizes, naming them), pads ``x`` and the bias to the weight's padded
+logical sizes, naming them) and binds ``matmul_p``, the op's primitive, which
+holds the derivative rules (linear in ``x``; the cotangent ``dy @ W^T``) and
+the batching rule; its lowering pads ``x`` and the bias to the weight's padded
 shape and drops the padded columns of ``y``; ``partitioning`` runs the kernel
 per shard under sharded inputs; ``primitive`` is the kernel's abstract
 evaluation and lowering; ``shapes`` holds the rules they check.
@@ -98,13 +100,6 @@ def _bind(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
                          poison_output=poison_output)
 
 
-def _unbind(operands, weight_tree):
-    """``(x, w, bias)`` from the primitive's operands; ``bias`` None for the ``[0]`` placeholder."""
-    x, *leaves, bias = operands
-    w = jax.tree.unflatten(weight_tree, leaves)
-    return x, w, (None if bias.shape == (0,) else bias)
-
-
 def _abstract_eval(x, *rest, weight_tree, poison_output):
     del rest, poison_output
     n = jax.tree.unflatten(weight_tree, [None] * weight_tree.num_leaves).n
@@ -113,12 +108,11 @@ def _abstract_eval(x, *rest, weight_tree, poison_output):
 
 def _padded_matmul(*operands, weight_tree, poison_output: bool) -> jax.Array:
     """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns."""
-    x, w, bias = _unbind(operands, weight_tree)
+    x, *leaves, bias = operands
+    w = jax.tree.unflatten(weight_tree, leaves)
     if w.k_pad > w.k:  # zero activations meet the zero rows of the padded weight
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
-    if bias is None:
-        bias = jnp.zeros((0,), x.dtype)
-    elif w.n_pad > w.n:
+    if bias.shape != (0,) and w.n_pad > w.n:
         bias = jnp.pad(bias, (0, w.n_pad - w.n))
     y = partitioning.matmul(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad, w.group_size,
                             poison_output)
@@ -170,7 +164,7 @@ def _transpose(ct, x, *rest, weight_tree, poison_output):
                         "to the weight or the bias")
     if type(ct) is ad.Zero:
         return [None] * (1 + len(rest))
-    _, w, _ = _unbind((x.aval, *rest), weight_tree)
+    w = jax.tree.unflatten(weight_tree, rest[:-1])
     mesh = next((m for m in (jax.typeof(a).sharding.mesh for a in (ct, *jax.tree.leaves(w)))
                  if m.explicit_axes), None)
     if mesh is not None:
