@@ -1,8 +1,8 @@
-"""The semi-internal JAX names jax_marlin uses, in one place.
+"""The semi-internal JAX names jax_marlin uses, and its one private registration, in one place.
 
 Everything else imports public JAX (``jax``, ``jax.numpy``, ``jax.ffi``,
-``jax.custom_batching``, ``jax.experimental.custom_partitioning``); a JAX
-upgrade that moves one of these names touches this file only.
+``jax.experimental.custom_partitioning``); a JAX upgrade that moves one of
+these names touches this file only.
 """
 
 from __future__ import annotations
@@ -24,4 +24,6 @@ def requires_devices_during_lowering(primitive) -> None:
     from jax._src import dispatch
     dispatch.prim_requires_devices_during_lowering.add(primitive)
 
-__all__ = ["Primitive", "ShapedArray", "Tracer", "ad", "batching", "ir", "mlir", "requires_devices_during_lowering"]
+
+__all__ = ["Primitive", "ShapedArray", "Tracer", "ad", "batching", "ir", "mlir",
+           "requires_devices_during_lowering"]
