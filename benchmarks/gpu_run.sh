@@ -10,6 +10,9 @@
 #   sweep     the README's sweep: every layer x m in {1 .. 1024} x jax_marlin fp16/bf16 g128,
 #             xla_fp16, xla_int4 -> gpu-out/sweep.json ($SWEEP_LAYERS: a subset; the records
 #             of earlier runs into the same file are kept, so a sweep can be split over calls)
+#   backward  bench_backward.py: dy @ W^T (jm.matmul's vjp) against the float16 vjp at
+#             m in {16, 256, 4096} on the 70B/8B layers, and one QLoRA training step on a
+#             float16 vs a 4-bit base -> gpu-out/backward.json
 #   report    tables and plot from gpu-out/sweep.json, and the README's table (README.md)
 #   ab        kernel_bench.cu (no JAX) on fp16 g128: this tree against the ffi/ of $AB_SRC
 #             (another source tree, e.g. `git worktree add /tmp/base main`), built side by
@@ -64,6 +67,13 @@ if has sweep; then
   python3 benchmarks/bench_matmul.py ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} --append \
     --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1 || status=1
   tail -3 "$OUT/sweep.log"
+fi
+
+if has backward; then
+  step "bench_backward"
+  python3 benchmarks/bench_backward.py --out "$OUT/backward.json" 2>&1 | tee "$OUT/backward.log" \
+    | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if has report; then

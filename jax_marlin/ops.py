@@ -1,7 +1,9 @@
 """``jm.matmul``: the public op, with argument checks, padding, autodiff and ``vmap``.
 
 The layers, top down: this module checks the user's arguments once (in
-logical sizes, naming them), pads ``x`` and the bias to the weight's padded
+logical sizes, naming them) and binds ``matmul_p``, the op's primitive, which
+holds the derivative rules (linear in ``x``; the cotangent ``dy @ W^T``) and
+the batching rule; its lowering pads ``x`` and the bias to the weight's padded
 shape and drops the padded columns of ``y``; ``partitioning`` runs the kernel
 per shard under sharded inputs; ``primitive`` is the kernel's abstract
 evaluation and lowering; ``shapes`` holds the rules they check.
@@ -9,15 +11,14 @@ evaluation and lowering; ``shapes`` holds the rules they check.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
-from jax.custom_derivatives import SymbolicZero
 
 from jax_marlin import partitioning, shapes
-from jax_marlin.packing import _ZERO_POINT, MarlinWeight, _check_weight, _unpermute_scales
+from jax_marlin._compat import (Primitive, ShapedArray, ad, batching, mlir,
+                                requires_devices_during_lowering)
+from jax_marlin.packing import (_ZERO_POINT, MarlinWeight, _check_weight, _unpermute_scales,
+                                dequantize)
 
 __all__ = ["matmul"]
 
@@ -40,8 +41,11 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
     Returns:
       ``[..., n]`` in ``x.dtype``.
 
-    Differentiable with respect to ``bias`` only; a derivative with respect
-    to ``x`` or the weight raises ``NotImplementedError``.
+    Differentiable with respect to ``x`` (linear: the tangent is
+    ``jm.matmul(x_dot, w)``, the cotangent ``dy @ W^T``) and ``bias``, under
+    ``jit``, ``vmap`` and sharding, forward and reverse mode. The weight is
+    frozen: a derivative with respect to its ``qweight`` or ``scales`` raises
+    ``TypeError`` (``jax.lax.stop_gradient`` it, or close over it).
 
     Weights imported with act-order or zero points (``w.perm``, ``w.zeros``)
     cost a little more, in the same jitted call:
@@ -70,7 +74,7 @@ def _matmul(x, w: MarlinWeight, bias=None, *, poison_output: bool) -> jax.Array:
     if bias is not None:
         bias = jnp.asarray(bias)
     _check_arguments(x, w, bias)
-    return _differentiable(x, w, bias, bool(poison_output))
+    return _bind(x, w, bias, bool(poison_output))
 
 
 def _check_arguments(x, w, bias) -> None:
@@ -79,6 +83,8 @@ def _check_arguments(x, w, bias) -> None:
         raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
                         f"got {type(w).__name__}")
     _check_weight(w)
+    if w.qweight.dtype != jnp.int32:  # the kernel's abstract eval sees it only when lowered
+        raise TypeError(f"qweight.dtype is {w.qweight.dtype}, expected int32 (8 nibbles a word)")
     shapes.check_dtypes(x.dtype, w.scales.dtype, None if bias is None else bias.dtype)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension, [..., k]")
@@ -90,51 +96,53 @@ def _check_arguments(x, w, bias) -> None:
                          f"column of the weight [k, n] = [{w.k}, {w.n}]")
 
 
-# --- autodiff ------------------------------------------------------------------------
+# --- the op: one primitive with its rules ----------------------------------------------
+#
+# jm.matmul is a primitive of its own, so that its derivative rules sit above
+# the custom_partitioning op (which has none): the JVP is linear in x (the
+# tangent goes through the same op), the transpose multiplies the cotangent by
+# W^T, and the batching rule folds a batch of x into m. Its lowering is the
+# padded, partitioned kernel call below. The weight travels as its pytree
+# leaves plus the treedef, so fields added to MarlinWeight travel with it.
+
+matmul_p = Primitive("jax_marlin_matmul")
+"""Operands ``(x [..., k], *leaves of the MarlinWeight, bias [n] or [0])``;
+params ``weight_tree`` (the weight's treedef: ``k``, ``n``, ``group_size``) and
+``poison_output``. Result ``[..., n]`` in ``x``'s dtype, logical sizes."""
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _differentiable(x, w, bias, poison_output):
-    return _padded_matmul(x, w, bias, poison_output)
+def _bind(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
+    leaves, weight_tree = jax.tree.flatten(w)
+    if bias is None:  # "no bias": a [0] operand, as the kernel takes it
+        bias = jnp.zeros((0,), x.dtype)
+    return matmul_p.bind(x, *leaves, bias, weight_tree=weight_tree,
+                         poison_output=poison_output)
 
 
-def _is_zero(tangent) -> bool:
-    return all(isinstance(t, SymbolicZero) for t in jax.tree.leaves(tangent))
+def _abstract_eval(x, *rest, weight_tree, poison_output):
+    del poison_output
+    w = jax.tree.unflatten(weight_tree, rest[:-1])
+    # x's type with its last dimension replaced, so that inside shard_map y
+    # varies over the mesh axes x does (the transpose's cotangent must match
+    # x's type). Sharded in types, y's n follows the weight's n (qweight's
+    # columns); k is reduced away.
+    spec = (*x.sharding.spec[:-1], w.qweight.sharding.spec[1])
+    return x.update(shape=x.shape[:-1] + (w.n,),
+                    sharding=x.sharding.update(spec=x.sharding.spec.update(partitions=spec)))
 
 
-@functools.partial(_differentiable.defjvp, symbolic_zeros=True)
-def _jvp(poison_output, primals, tangents):
-    # y is affine in the bias: dy = broadcast(d bias).
-    x, w, bias = primals
-    x_dot, w_dot, bias_dot = tangents
-    if not (_is_zero(x_dot) and _is_zero(w_dot)):
-        raise NotImplementedError(
-            "jm.matmul is differentiable with respect to the bias only; no derivative "
-            "with respect to x or the weight yet (stop_gradient the input of a 4-bit layer)")
-    y = _differentiable(x, w, bias, poison_output)
-    if bias is None or _is_zero(bias_dot):
-        return y, jnp.zeros_like(y)
-    return y, jnp.broadcast_to(bias_dot.astype(y.dtype), y.shape)
-
-
-# --- padding ---------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("poison_output",))
-def _padded_matmul(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
-    """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns.
-
-    A ``jit`` so that eager calls on sharded arrays are partitioned too (the
-    primitive's own eager path would gather them).
-    """
+def _padded_matmul(*operands, weight_tree, poison_output: bool) -> jax.Array:
+    """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns."""
+    x, *leaves, bias = operands
+    w = jax.tree.unflatten(weight_tree, leaves)
     if w.perm is not None:
         x = _act_order(x, w.perm)
     if w.k_pad > w.k:  # zero activations meet the zero rows of the padded weight
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
-    if bias is not None and w.n_pad > w.n:
+    if bias.shape != (0,) and w.n_pad > w.n:
         bias = jnp.pad(bias, (0, w.n_pad - w.n))
-    kernel_weight = MarlinWeight(w.qweight, w.scales, w.k, w.n, w.group_size)
-    y = _vmappable(poison_output, w.perm is not None)(x, kernel_weight, bias)
+    y = partitioning.matmul(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad, w.group_size,
+                            poison_output, w.perm is not None)
     if w.zeros is not None:
         y = _zero_point_correction(y, x, w.scales, w.zeros, w.group_size)
     return y[..., :w.n] if w.n_pad > w.n else y
@@ -173,41 +181,115 @@ def _zero_point_correction(y, x, scales, zeros, group_size):
     return (y.astype(jnp.float32) + correction).astype(y.dtype)
 
 
+# Eager binds run through jit, so that eager calls on sharded arrays are
+# partitioned too (the kernel primitive's own eager path would gather them).
+_impl = jax.jit(_padded_matmul, static_argnames=("weight_tree", "poison_output"))
+
+
+# --- autodiff --------------------------------------------------------------------------
+
+
+def _is_zero(tangent) -> bool:
+    return type(tangent) is ad.Zero or tangent.dtype == jax.dtypes.float0
+
+
+def _jvp(primals, tangents, *, weight_tree, poison_output):
+    # y = x W + bias is linear in x and affine in the bias; W is frozen.
+    x, *leaves, bias = primals
+    x_dot, *leaf_dots, bias_dot = tangents
+    if not all(_is_zero(t) for t in leaf_dots):
+        raise TypeError(
+            "jm.matmul has no derivative with respect to the quantized weight (its qweight "
+            "and scales): 4-bit weights are frozen. Differentiate with respect to x or the "
+            "bias only: wrap the weight in jax.lax.stop_gradient, close over it instead of "
+            "passing it as a differentiated argument, or, in Flax NNX, keep it in a "
+            "QuantizedWeight (an nnx.Variable that is not an nnx.Param, as MarlinLinear "
+            "does) and differentiate with respect to nnx.Param")
+    y = matmul_p.bind(*primals, weight_tree=weight_tree, poison_output=poison_output)
+    y_dot = None
+    if not _is_zero(x_dot):
+        empty = jnp.zeros((0,), x.dtype)
+        y_dot = matmul_p.bind(x_dot, *leaves, empty, weight_tree=weight_tree,
+                              poison_output=poison_output)
+    if bias.shape != (0,) and not _is_zero(bias_dot):
+        b_dot = jnp.broadcast_to(bias_dot.astype(y.dtype), y.shape)
+        y_dot = b_dot if y_dot is None else y_dot + b_dot
+    return y, ad.Zero.from_primal_value(y) if y_dot is None else y_dot
+
+
+def _transpose(ct, x, *rest, weight_tree, poison_output):
+    # Called on the linear part only: the JVP's x tangent, or a user's
+    # jax.linear_transpose of x -> x W. The weight and bias are known there.
+    del poison_output
+    if any(ad.is_undefined_primal(a) for a in rest):
+        raise TypeError("jm.matmul is linear in x only; it cannot be transposed with respect "
+                        "to the weight or the bias")
+    if type(ct) is ad.Zero:
+        return [None] * (1 + len(rest))
+    w = jax.tree.unflatten(weight_tree, rest[:-1])
+    mesh = next((m for m in (jax.typeof(a).sharding.mesh for a in (ct, *jax.tree.leaves(w)))
+                 if m.explicit_axes), None)
+    if mesh is not None:
+        # Explicitly sharded types: dequantize's reshapes of the packed tiles
+        # do not say how their shards map, so the transposed product runs with
+        # the mesh's axes automatic (the partitioner keeps the shards) and
+        # gives x's cotangent x's sharding.
+        with jax.sharding.use_abstract_mesh(mesh):
+            transposed = jax.sharding.auto_axes(_matmul_transposed,
+                                                out_sharding=x.aval.sharding.spec)
+            return [transposed(ct, w)] + [None] * len(rest)
+    return [_matmul_transposed(ct, w)] + [None] * len(rest)
+
+
+def _matmul_transposed(dy, w: MarlinWeight) -> jax.Array:
+    """``dy [..., n] @ W^T -> [..., k]`` in ``dy.dtype``: the cotangent of ``x``.
+
+    Dequantizes the weight to ``dy``'s dtype (float16 or bfloat16), then one
+    dense dot accumulated in float32 and rounded once. The Marlin kernel
+    multiplies by ``W`` only: its packed layout feeds tensor-core fragments of
+    ``W``, not of ``W^T``, so the transposed product has no kernel yet; the
+    dequantized ``[k, n]`` weight is transient (the float weight's bytes) and
+    the dot runs at the dense dot's speed (benchmarks/bench_backward.py). A
+    kernel for the transposed product drops in here, per shape.
+
+    ``jm.dequantize`` is the one statement of what the weight is (including
+    any fields a MarlinWeight gains), so the gradient follows it. Rounding the
+    weight to ``dy``'s dtype costs at most one unit roundoff per weight
+    element, the same order as the output's rounding.
+    """
+    wd = dequantize(w, dy.dtype)
+    dx = jax.lax.dot_general(dy, wd, (((dy.ndim - 1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    return dx.astype(dy.dtype)
+
+
 # --- vmap ------------------------------------------------------------------------------
 
 
-@functools.cache
-def _vmappable(poison_output: bool, act_order: bool) -> custom_vmap:
-    """The partitioned kernel on padded operands, with a batching rule.
+def _batch(operands, dims, *, weight_tree, poison_output):
+    """A batch of ``x`` folds into its leading dimensions (the kernel's m); batched
+    weights or biases run one call per element."""
+    x, *leaves, bias = operands
+    x_dim, *leaf_dims, bias_dim = dims
+    params = dict(weight_tree=weight_tree, poison_output=poison_output)
+    if all(d is None for d in leaf_dims) and bias_dim is None:
+        return matmul_p.bind(jnp.moveaxis(x, x_dim, 0), *leaves, bias, **params), 0
+    size = next(a.shape[d] for a, d in zip(operands, dims) if d is not None)
 
-    custom_partitioning has no batching rule of its own; this one folds a
-    batch of ``x`` into its leading dimensions (the kernel's m) and runs one
-    call per element when weights or biases are batched.
-    """
+    def front(a, d):
+        return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
 
-    @custom_vmap
-    def call(x, w, bias):
-        if bias is None:  # the kernel's "no bias": a [0] operand
-            bias = jnp.zeros((0,), x.dtype)
-        return partitioning.matmul(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad,
-                                   w.group_size, poison_output, act_order)
+    batched = [front(a, d) for a, d in zip(operands, dims)]
+    return jax.lax.map(lambda a: matmul_p.bind(*a, **params), batched), 0
 
-    @call.def_vmap
-    def rule(axis_size, in_batched, x, w, bias):
-        x_batched, w_batched, bias_batched = in_batched
-        if not (w_batched.qweight or w_batched.scales or bias_batched):
-            # Only x is batched (at axis 0): one more leading dimension of m.
-            return call(x, w, bias), True
 
-        def front(a, batched):
-            return a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-
-        xs = front(x, x_batched)
-        qs, ss = front(w.qweight, w_batched.qweight), front(w.scales, w_batched.scales)
-        bs = None if bias is None else front(bias, bias_batched)
-        y = jax.lax.map(
-            lambda a: call(a[0], MarlinWeight(a[1], a[2], w.k, w.n, w.group_size), a[3]),
-            (xs, qs, ss, bs))
-        return y, True
-
-    return call
+matmul_p.def_impl(_impl)
+matmul_p.def_abstract_eval(_abstract_eval)
+# The custom_partitioning op inside needs the devices of the program it is
+# lowered into, and its lowering must not be cached across programs.
+mlir.register_lowering(matmul_p, mlir.lower_fun(_padded_matmul, multiple_results=False),
+                       cacheable=False)
+requires_devices_during_lowering(matmul_p)
+ad.primitive_jvps[matmul_p] = _jvp
+ad.primitive_transposes[matmul_p] = _transpose
+batching.primitive_batchers[matmul_p] = _batch

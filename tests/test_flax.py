@@ -375,10 +375,8 @@ class FloatBranch(nnx.Module):
 
 
 def test_grad_reaches_float_params_only(rng):
-    # jm.matmul has no differentiation rule yet, so no differentiated value may
-    # flow into a MarlinLinear's input; its bias and all float layers whose
-    # outputs do not pass through one differentiate as usual, and nnx.grad
-    # over nnx.Param never touches the QuantizedWeight.
+    # nnx.grad over nnx.Param never touches the QuantizedWeight; the bias and
+    # the float layers next to a MarlinLinear differentiate as usual.
     model = FloatBranch(nnx.Rngs(0))
     x = random_x(rng, 6, K).astype(np.float32)
 

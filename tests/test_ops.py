@@ -153,8 +153,6 @@ def test_bias_is_differentiable(rng):
     np.testing.assert_array_equal(np.asarray(grad, np.float32), cotangent.sum(0))
     y, y_dot = jax.jvp(lambda b: jm.matmul(x, w, bias=b), (bias,), (jnp.ones_like(bias),))
     np.testing.assert_array_equal(np.asarray(y_dot), np.ones((6, 192), np.float16))
-    with pytest.raises(NotImplementedError, match="with respect to the bias only"):
-        jax.grad(lambda x: jnp.sum(jm.matmul(x, w).astype(jnp.float32)))(x)
 
 
 def test_aligned_shapes_cost_nothing(rng, weights):
@@ -163,23 +161,13 @@ def test_aligned_shapes_cost_nothing(rng, weights):
     def ops(w, m=4):
         x = jnp.zeros((m, w.k), w.dtype)
         bias = jnp.zeros((w.n,), w.dtype)
-        jaxpr = jax.make_jaxpr(lambda x, w, b: jm.matmul(x, w, bias=b))(x, w, bias)
-        return {str(e.primitive) for e in _all_eqns(jaxpr.jaxpr)}
+        text = jax.jit(lambda x, w, b: jm.matmul(x, w, bias=b)).lower(x, w, bias).as_text()
+        return {op for op in ("pad", "slice") if f"stablehlo.{op}" in text}
 
     w = weights[(1024, 512, 128)]
     assert w.padded_shape == (1024, 512)
     assert not ops(w) & {"pad", "slice"}
     assert {"pad", "slice"} <= ops(jm.quantize(random_weight(rng, 1000, 500)))
-
-
-def _all_eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' params."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _all_eqns(inner)
 
 
 def test_eager_and_jit_agree(rng, weights):

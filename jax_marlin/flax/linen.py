@@ -57,9 +57,8 @@ class MarlinDense(nn.Module):
       kernel_init: initializer for the float kernel.
       bias_init: initializer for the bias.
 
-    Gradients with respect to ``x`` are not available yet (``jm.matmul`` is
-    differentiable in the bias only); the bias can be differentiated as long
-    as no differentiated value flows into ``x``.
+    Differentiable with respect to ``x`` and the bias; the packed weight (in
+    the ``"marlin"`` collection) is frozen: differentiate ``"params"`` only.
     """
 
     features: int

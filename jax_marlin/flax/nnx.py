@@ -174,10 +174,9 @@ class MarlinLinear(nnx.Module):
         """``inputs [..., in_features]`` float -> ``[..., out_features]`` in ``dtype``.
 
         ``inputs`` and the bias are rounded to the weight's dtype (float16:
-        values beyond ±65504 become inf). There is no gradient with respect
-        to ``inputs`` yet: ``jm.matmul`` is differentiable in the bias only,
-        so only losses in which no differentiated value flows into a
-        ``MarlinLinear``'s input can be differentiated.
+        values beyond ±65504 become inf). Differentiable with respect to
+        ``inputs`` and the bias; the weight is frozen (a ``QuantizedWeight``,
+        which ``nnx.grad`` over ``nnx.Param`` skips).
         """
         x = jnp.asarray(inputs)
         if not jnp.issubdtype(x.dtype, jnp.floating):
