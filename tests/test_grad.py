@@ -278,3 +278,25 @@ def test_nnx_grad_through_frozen_layers(rng):
         assert np.isfinite(np.asarray(grads["lora"][name][...], np.float32)).all()
     after = jax.tree.map(np.asarray, nnx.state(model, QuantizedWeight))
     jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+@pytest.mark.parametrize("zeros,act_order", [(True, False), (False, True), (True, True)],
+                         ids=["zeros", "act-order", "both"])
+def test_grad_of_imported_weights_matches_float64(rng, zeros, act_order):
+    # Weights with zero points and act-order: the forward adds a zero-point
+    # correction and permutes x, the transpose goes through jm.dequantize,
+    # which honours both; the float64 weight is built from the integers.
+    from conftest import imported_weight
+
+    w, weight = imported_weight(rng, 256, 128, 64, zeros=zeros, act_order=act_order)
+    x = random_x(rng, 3, 256, dtype=np.float16)
+    cotangent = rng.standard_normal((3, 128)).astype(np.float32)
+
+    def loss(x):
+        return jnp.sum(jm.matmul(x, w).astype(jnp.float32) * cotangent)
+
+    gx = jax.jit(jax.grad(loss))(x)
+    assert rel_err(gx, cotangent.astype(np.float64) @ weight.T) <= BWD_TOLS[np.dtype(np.float16)]
+    y, y_dot = jax.jvp(lambda x: jm.matmul(x, w), (x,), (x,))
+    # Two roundings of y with zero points (ops.matmul's docstring).
+    assert rel_err(y_dot, np.asarray(x, np.float64) @ weight) <= 2 * FP16_U + 1e-5
