@@ -48,28 +48,6 @@ const KernelPolicy &kernel_policy() {
   return policy;
 }
 
-struct DeviceInfo {
-  cudaError_t error = cudaSuccess;
-  int sms = 0;
-  int major = 0;
-  int minor = 0;
-  int max_shared = 0;  // opt-in dynamic shared memory per block, bytes
-};
-
-const DeviceInfo &device_info(int device) {
-  static std::once_flag once[kMaxDevices];
-  static DeviceInfo info[kMaxDevices];
-  std::call_once(once[device], [device] {
-    DeviceInfo &d = info[device];
-    (d.error = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.max_shared,
-                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  });
-  return info[device];
-}
-
 template <typename scalar_t>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {

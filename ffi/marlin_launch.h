@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <string>
 
 #include "marlin_problem.h"
@@ -19,6 +20,30 @@ constexpr int kMaxDevices = 64;
 inline std::string cuda_error(const char *what, cudaError_t error) {
   return std::string("jax_marlin: ") + what + " failed: " + cudaGetErrorName(error) + " (" +
          cudaGetErrorString(error) + ")";
+}
+
+// What the launchers read of a device, once per device (every launcher of
+// this library shares the one cache).
+struct DeviceInfo {
+  cudaError_t error = cudaSuccess;
+  int sms = 0;
+  int major = 0;
+  int minor = 0;
+  int max_shared = 0;  // opt-in dynamic shared memory per block, bytes
+};
+
+inline const DeviceInfo &device_info(int device) {
+  static std::once_flag once[kMaxDevices];
+  static DeviceInfo info[kMaxDevices];
+  std::call_once(once[device], [device] {
+    DeviceInfo &d = info[device];
+    (d.error = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device)) ||
+        (d.error = cudaDeviceGetAttribute(&d.max_shared,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  });
+  return info[device];
 }
 
 // One launch: a batch block of at most 64 kMaxPar rows.

@@ -17,28 +17,6 @@
 namespace marlin {
 namespace {
 
-struct PrefillDevice {
-  cudaError_t error = cudaSuccess;
-  int sms = 0;
-  int major = 0;
-  int minor = 0;
-  int max_shared = 0;
-};
-
-const PrefillDevice &prefill_device(int device) {
-  static std::once_flag once[kMaxDevices];
-  static PrefillDevice info[kMaxDevices];
-  std::call_once(once[device], [device] {
-    PrefillDevice &d = info[device];
-    (d.error = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device)) ||
-        (d.error = cudaDeviceGetAttribute(&d.max_shared,
-                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  });
-  return info[device];
-}
-
 // cuTensorMapEncodeTiled from the driver the runtime loaded, so that the
 // library does not link libcuda itself.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(std::string *why) {
@@ -218,7 +196,7 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
   int device;
   if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
   if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
-  const PrefillDevice &info = prefill_device(device);
+  const DeviceInfo &info = device_info(device);
   if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
   if (info.major != 9 || info.minor != 0)
     return "jax_marlin: the prefill kernel needs compute capability 9.0 (sm_90a), this "
@@ -255,7 +233,7 @@ std::string prefill_matmul(const void *A, const void *B, const void *s, const vo
   int device;
   if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
   if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
-  const PrefillDevice &info = prefill_device(device);
+  const DeviceInfo &info = device_info(device);
   if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
   return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, bias, C, m, n, k,
                                group_size, bf16, counters, partials, stream);
