@@ -125,8 +125,12 @@ def _abstract_eval(x, *rest, weight_tree, poison_output):
     # x's type with its last dimension replaced, so that inside shard_map y
     # varies over the mesh axes x does (the transpose's cotangent must match
     # x's type). Sharded in types, y's n follows the weight's n (qweight's
-    # columns); k is reduced away.
-    spec = (*x.sharding.spec[:-1], w.qweight.sharding.spec[1])
+    # columns) when both are typed on one mesh; k is reduced away. (jax 0.12
+    # types a weight placed on a mesh with its axes while an unsharded x has
+    # none: y then keeps x's type.)
+    w_sharding = w.qweight.sharding
+    n_spec = w_sharding.spec[1] if w_sharding.mesh == x.sharding.mesh else None
+    spec = (*x.sharding.spec[:-1], n_spec)
     return x.update(shape=x.shape[:-1] + (w.n,),
                     sharding=x.sharding.update(spec=x.sharding.spec.update(partitions=spec)))
 
