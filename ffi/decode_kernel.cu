@@ -333,8 +333,8 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
   static std::once_flag once[kMaxDevices];
   static cudaError_t attr_error[kMaxDevices];
   int device;
-  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
-  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
+  const DeviceInfo *info;
+  if (std::string why = current_device(&device, &info); !why.empty()) return why;
   std::call_once(once[device], [&] {
     (attr_error[device] =
          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxShared)) ||

@@ -70,10 +70,9 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   if (m == 0) return {};
 
   int device;
-  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
-  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
-  const DeviceInfo &info = device_info(device);
-  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
+  const DeviceInfo *device_attrs;
+  if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
+  const DeviceInfo &info = *device_attrs;
   if (info.major < 8)
     return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
            std::to_string(info.major) + "." + std::to_string(info.minor);

@@ -46,6 +46,16 @@ inline const DeviceInfo &device_info(int device) {
   return info[device];
 }
 
+// The current device's ordinal and what the launchers read of it, or why
+// either cannot be had.
+inline std::string current_device(int *device, const DeviceInfo **info) {
+  if (cudaError_t error = cudaGetDevice(device)) return cuda_error("cudaGetDevice", error);
+  if (*device < 0 || *device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
+  *info = &device_info(*device);
+  if ((*info)->error) return cuda_error("cudaDeviceGetAttribute", (*info)->error);
+  return {};
+}
+
 // One launch: a batch block of at most 64 kMaxPar rows.
 struct LaunchArgs {
   const int4 *A;     // [m, k] activations

@@ -194,10 +194,9 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
     return "jax_marlin: a split prefill launch needs counters and partials";
 
   int device;
-  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
-  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
-  const DeviceInfo &info = device_info(device);
-  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
+  const DeviceInfo *device_attrs;
+  if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
+  const DeviceInfo &info = *device_attrs;
   if (info.major != 9 || info.minor != 0)
     return "jax_marlin: the prefill kernel needs compute capability 9.0 (sm_90a), this "
            "device has " + str(info.major) + "." + str(info.minor);
@@ -231,10 +230,9 @@ std::string prefill_matmul(const void *A, const void *B, const void *s, const vo
     return "jax_marlin: " + why;
   if (m == 0) return {};
   int device;
-  if (cudaError_t error = cudaGetDevice(&device)) return cuda_error("cudaGetDevice", error);
-  if (device < 0 || device >= kMaxDevices) return "jax_marlin: device ordinal out of range";
-  const DeviceInfo &info = device_info(device);
-  if (info.error) return cuda_error("cudaDeviceGetAttribute", info.error);
+  const DeviceInfo *device_attrs;
+  if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
+  const DeviceInfo &info = *device_attrs;
   return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, bias, C, m, n, k,
                                group_size, bf16, counters, partials, stream);
 }
