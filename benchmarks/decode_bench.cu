@@ -28,11 +28,15 @@
 #include <string>
 #include <vector>
 
+#include "bench_fill.cuh"
 #include "decode_kernel.h"
 #include "marlin_kernel.h"
 #include "scratch_sizes.h"
 
 namespace {
+
+using bench::fill_bits;
+using bench::fill_float;
 
 bool g_bf16 = false;
 int g_group = 128;
@@ -52,29 +56,6 @@ void check(const std::string &why) {
   }
 }
 
-__device__ uint32_t mix(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  return uint32_t(x >> 16);
-}
-__global__ void fill_bits(uint32_t *p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = mix(i, seed);
-}
-__global__ void fill_float(uint16_t *p, size_t n, uint32_t seed, float lo, float hi, bool bf16) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    float v = lo + (hi - lo) * (mix(i, seed) & 0xFFFFFF) / float(1 << 24);
-    if (bf16) {
-      __nv_bfloat16 b = __float2bfloat16(v);
-      p[i] = *reinterpret_cast<uint16_t *>(&b);
-    } else {
-      half h = __float2half(v);
-      p[i] = *reinterpret_cast<uint16_t *>(&h);
-    }
-  }
-}
 // The next call's input from this call's output: the dependency of a decode
 // step (the values stay in [-1, 1]).
 __global__ void next_input(const uint16_t *y, uint16_t *x, int64_t y_count, int64_t x_count) {

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_fill.cuh"
 #include "marlin_kernel.h"
 #include "scratch_sizes.h"
 #include "marlin_launch.h"
@@ -41,23 +42,6 @@ void check(cudaError_t error, const char *what) {
   }
 }
 
-// Deterministic pseudo-random fill: 32 random bits per word (weights), or
-// halves in [lo, hi) (activations, scales).
-__device__ uint32_t mix(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  return uint32_t(x >> 16);
-}
-__global__ void fill_bits(uint32_t *p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = mix(i, seed);
-}
-__global__ void fill_half(half *p, size_t n, uint32_t seed, float lo, float hi) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __float2half(lo + (hi - lo) * (mix(i, seed) & 0xFFFFFF) / float(1 << 24));
-}
 
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
@@ -145,12 +129,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < copies; ++i) {
       check(cudaMalloc(&Bs[i], b_bytes), "cudaMalloc B");
       check(cudaMalloc(&ss[i], s_bytes), "cudaMalloc s");
-      fill_bits<<<1024, 256, 0, stream>>>(static_cast<uint32_t *>(Bs[i]), b_bytes / 4, 17 + i);
-      fill_half<<<1024, 256, 0, stream>>>(static_cast<half *>(ss[i]), s_bytes / 2, 91 + i, 1e-3f, 2e-2f);
+      bench::fill_bits<<<1024, 256, 0, stream>>>(static_cast<uint32_t *>(Bs[i]), b_bytes / 4, 17 + i);
+      bench::fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(ss[i]), s_bytes / 2, 91 + i, 1e-3f, 2e-2f, false);
     }
     check(cudaMalloc(&A, size_t(m) * k * 2), "cudaMalloc A");
     check(cudaMalloc(&C, size_t(m) * n * 2), "cudaMalloc C");
-    fill_half<<<1024, 256, 0, stream>>>(static_cast<half *>(A), size_t(m) * k, 5, -1.f, 1.f);
+    bench::fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(A), size_t(m) * k, 5, -1.f, 1.f, false);
     check(cudaMalloc(&workspace, marlin::workspace_size(m, n) * sizeof(int)), "cudaMalloc locks");
     check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n, k) * sizeof(float)),
           "cudaMalloc scratch");

@@ -50,6 +50,7 @@
 
 #include <time.h>
 
+#include "bench_fill.cuh"
 #include "prefill_sm90.h"
 
 namespace {
@@ -217,13 +218,7 @@ Weight random_weight(int64_t k, int64_t n, int group_size, bool bf16, uint64_t s
 
 // --- device helpers ----------------------------------------------------------------
 
-__device__ uint32_t mix(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  return uint32_t(x >> 16);
-}
+using bench::mix;
 
 __device__ uint16_t dev_bits(float f, bool bf16) {
   if (bf16) {
