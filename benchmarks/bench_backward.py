@@ -47,13 +47,14 @@ SMALL_TRAIN = dict(vocab=64, d=128, heads=4, ffn=256, layers=1, batch=4, seq=16)
 def bench_backward(layers, ms, log) -> list[dict]:
     records = []
     for name, (k, n) in layers.items():
-        rng = np.random.default_rng(0)
-        dense = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float16)
+        # Drawn on the device: the 70B layers' weight sets are 0.5-4 GB each.
+        keys = iter(jax.random.split(jax.random.key(0), ROTATE + 2 * len(ms)))
+        dense = [(jax.random.normal(next(keys), (k, n)) / np.sqrt(k)).astype(jnp.float16)
                  for _ in range(ROTATE)]
         packed = [jm.quantize(w, group_size=128) for w in dense]
         for m in ms:
-            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
-            dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float16)
+            x = jax.random.normal(next(keys), (m, k), jnp.float16)
+            dy = jax.random.normal(next(keys), (m, n), jnp.float16)
 
             def backward(op):
                 # jax.vjp inside the jit: the forward is dead code, only dy @ W^T runs.
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU check")
     parser.add_argument("--out", help="write the records as JSON here")
+    parser.add_argument("--layers", nargs="*", choices=sorted(LAYERS), help="subset of layers")
     parser.add_argument("--steps", type=int, default=10, help="timed training steps")
     parser.add_argument("--train-only", choices=["float16", "int4"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
         return 0
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    layers = SMALL_LAYERS if args.small else {k: v for k, v in LAYERS.items()}
+    layers = SMALL_LAYERS if args.small else {
+        name: shape for name, shape in LAYERS.items() if not args.layers or name in args.layers}
     records = bench_backward(layers, SMALL_MS if args.small else MS, print)
     for base in ("float16", "int4"):
         cmd = [sys.executable, __file__, "--train-only", base, "--steps", str(args.steps)]

