@@ -1,7 +1,7 @@
 """Markdown tables and plot from a bench_matmul.py results JSON; before/after comparison.
 
-    python benchmarks/report.py benchmarks/results/h200-2026-12-02.json
-    python benchmarks/report.py benchmarks/results/h200-2026-12-02.json --readme README.md
+    python benchmarks/report.py benchmarks/results/h200-2026-12-03-sweep.json
+    python benchmarks/report.py benchmarks/results/h200-2026-12-03-sweep.json --readme README.md
     python benchmarks/report.py --compare OLD.json NEW.json --impl jax_marlin_g128
 
 The first writes ``<name>.md`` and ``<name>.png`` beside the JSON: per layer
