@@ -62,12 +62,13 @@ std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_b
 
 }  // namespace
 
-std::string matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
-                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                   int *workspace, float *reduce_scratch, cudaStream_t stream) {
+std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
+                   const void *bias, void *C, int64_t m, int64_t n, int64_t k, int64_t group_size,
+                   bool bf16, int *workspace, float *reduce_scratch, cudaStream_t stream) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
+  if (zeros) return "jax_marlin: the CUDA kernels do not take zero points yet";
 
   int device;
   const DeviceInfo *device_attrs;

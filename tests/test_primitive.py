@@ -385,6 +385,7 @@ def test_handler_rechecks_buffers(rng):
     w = jm.quantize(random_weight(rng, 1024, 512), group_size=128)
     x = jnp.asarray(activations(rng, "float16", 4, 1024))
     no_bias = jnp.zeros((0,), jnp.float16)
+    no_zeros = jnp.zeros((0, 0), jnp.int32)
     ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512, 1024)
     assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
     assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
@@ -396,18 +397,22 @@ def test_handler_rechecks_buffers(rng):
         f = jax.ffi.ffi_call("jax_marlin_matmul", results)
         return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
 
-    y, _, _ = call(x, w.qweight, w.scales, no_bias)  # the consistent call runs
+    y, _, _ = call(x, w.qweight, w.scales, no_zeros, no_bias)  # the consistent call runs
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
     cases = [
-        (dict(args=(x, w.qweight, w.scales[:2], no_bias)), "scales must have shape"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros(7, jnp.float16))), "bias must have shape"),
-        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
-        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=ws_size - 1), "workspace holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
+        (dict(args=(x, w.qweight, w.scales[:2], no_zeros, no_bias)), "scales must have shape"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, jnp.zeros(7, jnp.float16))), "bias must have shape"),
+        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_zeros, no_bias)), "one dtype"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
+        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_zeros, no_bias)), "float16 or bfloat16"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), workspace=ws_size - 1), "workspace holds"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), scratch=rs_size - 1),
          "reduce_scratch holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size = 96 is not supported"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), group_size=96), "group_size = 96 is not supported"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((7, 64), jnp.int32), no_bias)),
+         r"zeros must have shape \[8, 64\] or \[0, 0\]"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((8, 63), jnp.int32), no_bias)),
+         r"zeros must have shape \[8, 64\] or \[0, 0\]"),
     ]
     for kwargs, match in cases:
         with pytest.raises(Exception, match=match):
