@@ -88,12 +88,13 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   // scratch) where it was measured faster, and batches of 64 rows and more
   // on the wgmma prefill kernel.
   const KernelPolicy &policy = kernel_policy();
-  if (info.major == 9 && m <= kDecodeMaxM && policy.decode && !zeros) {
+  if (info.major == 9 && m <= kDecodeMaxM && policy.decode) {
     const DecodeConfig config = policy.forced.valid()
                                     ? policy.forced
                                     : choose_decode_config(m, n, k, group_size, info.sms);
     if (config.valid())
-      return decode_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, config, policy.pdl, stream);
+      return decode_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, config, policy.pdl,
+                           stream);
   }
   if (info.major == 9 && info.minor == 0 && policy.prefill && !zeros &&
       prefill_supported(m, n, k, group_size))
