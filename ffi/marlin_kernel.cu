@@ -96,10 +96,9 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
       return decode_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, config, policy.pdl,
                            stream);
   }
-  if (info.major == 9 && info.minor == 0 && policy.prefill && !zeros &&
-      prefill_supported(m, n, k, group_size))
-    return prefill_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, workspace, reduce_scratch,
-                          stream);
+  if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
+    return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,
+                          reduce_scratch, stream);
 
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32
