@@ -644,7 +644,6 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
            z_sh_stride * slice_col + threadIdx.x % z_sh_stride;
   };
   int z_gl_rd = has_zeros ? z_gl_start() : 0;
-  const bool z_sh_wr_pred = threadIdx.x < z_sh_stage;
   // The word of this thread's 8 columns (those of its scales, n + 8 j):
   // word 8 (64-column chunk) + (column within the chunk's first 8).
   const int z_sh_rd = 8 * ((threadIdx.x / 32) % (thread_n_blocks / 4)) + (threadIdx.x % 32) / 4;
@@ -760,7 +759,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       }
       if constexpr (has_zeros) {
         int4 *sh_z_stage = sh_z + z_sh_stage * pipe;
-        if (z_sh_wr_pred)
+        if (threadIdx.x < z_sh_stage)
           cp_async4(&sh_z_stage[threadIdx.x], &zeros[z_gl_rd]);
         if (group_blocks != -1 && (pipe + 1) % Shape::group_tiles == 0)
           z_gl_rd += z_gl_stride * s_tb_groups;

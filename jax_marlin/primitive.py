@@ -31,8 +31,8 @@ in ``x``'s dtype."""
 def _abstract_eval(x, qweight, scales, zeros, bias, *, k, n, group_size, poison_output):
     del poison_output
     shapes.check_operands(x.shape, x.dtype, qweight.shape, qweight.dtype, scales.shape,
-                          scales.dtype, bias.shape, bias.dtype, k=k, n=n, group_size=group_size,
-                          zeros_shape=zeros.shape, zeros_dtype=zeros.dtype)
+                          scales.dtype, zeros.shape, zeros.dtype, bias.shape, bias.dtype, k=k,
+                          n=n, group_size=group_size)
     return ShapedArray(x.shape[:-1] + (n,), x.dtype)
 
 

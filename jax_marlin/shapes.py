@@ -124,8 +124,8 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
 
 
 def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
-                   bias_shape, bias_dtype, *, k: int, n: int, group_size: int,
-                   zeros_shape=(0, 0), zeros_dtype=np.int32) -> None:
+                   zeros_shape, zeros_dtype, bias_shape, bias_dtype, *, k: int, n: int,
+                   group_size: int) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 
     Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
