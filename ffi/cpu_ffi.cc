@@ -3,11 +3,10 @@
 // tested without a GPU. Each 64-column slice of the weight is dequantized from
 // the Marlin layout, (q - zero point) times the group's scale, into an fp32
 // panel and multiplied in fp32; the per-column scale and the bias are applied
-// in fp32 and the result is rounded to the
-// output dtype (float16 or bfloat16) once. Slices are spread over threads;
-// every output element is computed by one thread in a fixed order, so results
-// are deterministic. The workspace and reduce_scratch results exist for the
-// CUDA kernel and are left untouched here.
+// in fp32 and the result is rounded to the output dtype (float16 or bfloat16)
+// once. Slices are spread over threads; every output element is computed by
+// one thread in a fixed order, so results are deterministic. The workspace and
+// reduce_scratch results exist for the CUDA kernel and are left untouched here.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

@@ -231,7 +231,8 @@ def _unpermute_scales(scales: jax.Array, group_size: int) -> jax.Array:
 # A thread of the kernels reads the grouped scales of columns i + 8 jj
 # (jj = 0..7) of a 64-column chunk with one 16-byte load (stored positions
 # 8 i .. 8 i + 7, above); the zero points of the same columns are one int32,
-# word 8 i of the chunk's 8 words (the same for every group size). Its
+# word i of the chunk's 8 (word 8 chunk + i of the row; the same for every
+# group size). Its
 # nibble p holds column i + 8 jj with jj = [0, 2, 4, 6, 1, 3, 5, 7][p], the
 # weight fragment's interleave: tile t of the chunk (columns 16 t + i and
 # 16 t + i + 8, jj = 2 t, 2 t + 1) finds its two zero points at bits 4 t and
