@@ -43,12 +43,13 @@ CASES = [  # (k, n, group_size, dtype, bias, ms)
 ]
 
 # Weights with zero points (and act-order on one): (k, n, group_size, dtype,
-# bias, ms), m from the decode kernel's 1..16 through the Marlin kernel's
-# 17..63 to the prefill kernel's >= 64 (partial last m and n tiles).
+# bias, ms), m from the decode kernel's 1..16 (k = 8192 at m = 12: the Marlin
+# kernel's 16-row tiles) through the Marlin kernel's 17..63 to the prefill
+# kernel's >= 64 (partial last m and n tiles).
 ZERO_POINT_CASES = [
-    (4096, 4096, 128, F16, True, [1, 9, 16, 17, 64, 100]),
-    (8192, 1024, 64, BF16, False, [1, 12, 33, 65]),
-    (28672, 1024, -1, F16, False, [1, 16, 40, 128]),
+    (4096, 1024, 128, F16, True, [1, 9, 16, 17, 64, 100]),
+    (8192, 512, 64, BF16, False, [1, 12, 33, 65]),
+    (2048, 1024, -1, F16, False, [1, 16, 40, 128]),
     (1000, 576, 32, F16, True, [1, 17, 100]),
     (576, 1000, 64, BF16, False, [3, 63, 64, 1024 + 33]),
     (4100, 130, -1, F16, True, [1, 33, 1000]),
