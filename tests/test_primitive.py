@@ -382,11 +382,20 @@ def test_decode_repeats_are_bit_identical(rng, m):
 # error budget (TOL) holds.
 ZP_LAYERS = [(4096, 4096, 128), (4096, 6144, 32), (8192, 1024, 64), (28672, 1024, -1),
              (640, 192, 64), (1000, 576, 128), (576, 1000, 64), (4100, 130, -1)]
-ZP_MS = list(range(1, 17)) + [17, 33, 63, 64, 100, 128, 256, 1000]
+ZP_MS = [1, 2, 5, 8, 9, 13, 16, 17, 33, 63, 64, 100, 128, 256, 1000]
+# Every m of the decode kernel on two layers (both halves of its 16-row m tile).
+ZP_DECODE_CASES = [(layer, m) for layer in [(4096, 4096, 128), (640, 192, 64)]
+                   for m in range(1, 17) if m not in ZP_MS]
 # Every tile of the Marlin kernel with every group size, at m = 17 and 33
-# (its 32- and 48-row tiles), and m = 1 on the decode kernel.
+# (its 32- and 48-row tiles), and m = 1 on the decode kernel (the Marlin
+# kernel's 16-row tiles elsewhere).
 ZP_TILE_CASES = [((k, n, g), m) for k, n in TILE_SHAPES for g in (-1, 32, 64, 128)
                  if g == -1 or k % g == 0 for m in (1, 17, 33)]
+# The Marlin kernel's 16-row tiles on sm_90 (m > 8 and k > 4096: not the
+# decode kernel), each of the small-batch table's tiles: 128 x 128 (8192 x
+# 1024 above), 128 x 64, 64 x 256 and 64 x 128 deep x wide.
+ZP_TILE_CASES += [(layer, m) for layer in [(8192, 576, 64), (4160, 1024, 64), (4160, 1152, 32)]
+                  for m in (9, 16)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -403,8 +412,10 @@ def check_zero_points(rng, layer, m, dtype, *, act_order=False, bias=False):
     check_against_float64(rng, w, weight, m, bias=bias)
 
 
-@pytest.mark.parametrize("m", ZP_MS)
-@pytest.mark.parametrize("layer", ZP_LAYERS, ids=layer_id)
+ZP_CASES = [(layer, m) for layer in ZP_LAYERS for m in ZP_MS] + ZP_DECODE_CASES
+
+
+@pytest.mark.parametrize("layer,m", ZP_CASES, ids=[f"{layer_id(l)}-m{m}" for l, m in ZP_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.gpu
 def test_zero_points_match_float64(rng, dtype, layer, m):
