@@ -9,9 +9,8 @@ Variants (``--impls``, one row each per layer and m), all jitted:
 * ``jax_marlin_zp_g128``, ``jax_marlin_act_order_g128``,
   ``jax_marlin_zp_act_order_g128``: fp16 g128 weights as imported from
   asymmetric (AWQ, GPTQ ``sym=False``) or act-order (GPTQ ``desc_act``)
-  checkpoints: random zero points 0..15 (``jm.matmul`` adds their float32
-  correction ``xs @ Z`` after the kernel) and/or rows grouped in a random
-  order (``x[..., perm]`` inside the call);
+  checkpoints: random zero points 0..15 (dequantized in the kernels) and/or
+  rows grouped in a random order (``x[..., perm]`` inside the call);
 * ``xla_fp16``, ``xla_bf16``: ``x @ w`` with float16/bfloat16 weights;
 * ``xla_int4``: ``jnp.int4`` weights cast to float16, times their group-128
   scales, then ``x @ w`` (XLA fuses what it can).

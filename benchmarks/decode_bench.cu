@@ -125,9 +125,9 @@ std::string call(const Case &c, const Buffers &b, int copy, const marlin::Decode
   const void *x = A ? A : b.A;
   const void *bp = bias ? b.bias : nullptr;
   if (config.valid())
-    return marlin::decode_matmul(x, b.B[copy], b.s[copy], bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
+    return marlin::decode_matmul(x, b.B[copy], b.s[copy], nullptr, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
                                  config, true, stream);
-  return marlin::matmul(x, b.B[copy], b.s[copy], bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
+  return marlin::matmul(x, b.B[copy], b.s[copy], nullptr, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
                         b.workspace, b.scratch, stream);
 }
 

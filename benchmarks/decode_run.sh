@@ -27,9 +27,9 @@ if has build; then
     python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 &
   PIP=$!
   mkdir -p /tmp/db && F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
-  for s in half nv_bfloat16; do for g in -1 2 4 8; do
-    nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_$g.o &
-  done; done
+  for s in half nv_bfloat16; do for g in -1 2 4 8; do for z in 0 1; do
+    nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -DMARLIN_ZEROS=$z -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_${g}_$z.o &
+  done; done; done
   nvcc $F -Xptxas -v -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$OUT/ptxas.txt" 2>&1 &
   nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &

@@ -89,7 +89,7 @@ if has ab; then
     mkdir -p $d
     nvcc_() { nvcc -O3 -std=c++17 -arch=sm_90 -I"$src/ffi" "$@"; }
     # fp16 g128 only; the other instances are stubs (kernel_bench times fp16 g128).
-    ( nvcc_ -DMARLIN_SCALAR=half -DMARLIN_GROUP_BLOCKS=8 -c "$src/ffi/marlin_instance.cu" -o $d/inst.o &
+    ( nvcc_ -DMARLIN_SCALAR=half -DMARLIN_GROUP_BLOCKS=8 -DMARLIN_ZEROS=0 -c "$src/ffi/marlin_instance.cu" -o $d/inst.o &
       nvcc_ -c benchmarks/kernel_bench_stubs.cu -o $d/stubs.o &
       nvcc_ -c "$src/ffi/marlin_kernel.cu" -o $d/launcher.o &
       nvcc_ -c benchmarks/kernel_bench.cu -o $d/bench.o &

@@ -45,7 +45,7 @@ void check(cudaError_t error, const char *what) {
 
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
-  return marlin::matmul(A, B, s, nullptr, C, m, n, k, 128, false, workspace, scratch, stream);
+  return marlin::matmul(A, B, s, nullptr, nullptr, C, m, n, k, 128, false, workspace, scratch, stream);
 }
 
 // The same product with one thread block per output tile (grid = column
@@ -62,9 +62,10 @@ std::string run_unsplit(const void *A, const void *B, const void *s, void *C, in
   int par = m <= 64 ? 1 : m / 64;
   marlin::LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                        static_cast<int4 *>(C), scratch, static_cast<const int4 *>(s), nullptr,
-                       m, n, k, workspace, n / config.thread_n * par, max_shared, device, stream};
+                       nullptr, m, n, k, workspace, n / config.thread_n * par, max_shared, device,
+                       stream};
   check(cudaMemsetAsync(workspace, 0, marlin::marlin_locks_size(m, n) * sizeof(int), stream), "memset");
-  return marlin::launch_tile<half, 8>(config, thread_m_blocks, p);
+  return marlin::launch_tile<half, 8, false>(config, thread_m_blocks, p);
 }
 
 // ||a - b|| / ||b|| over m x n halves, and how many elements of a are not finite.

@@ -363,9 +363,9 @@ std::string run(const Call &call, const void *x, const uint32_t *qweight, const 
                  " k " + std::to_string(k) + " n " + std::to_string(n) + " tile " + config_name(call.config) +
                  (b ? " bias" : "");
   if (call.config.block_m == 0)
-    return marlin::prefill_matmul(x, qweight, scales, b, c, m, n, k, group_size, bf16,
+    return marlin::prefill_matmul(x, qweight, scales, nullptr, b, c, m, n, k, group_size, bf16,
                                   scratch.counters, scratch.partials, stream);
-  return marlin::prefill_matmul_config(call.config, x, qweight, scales, b, c, m, n, k, group_size,
+  return marlin::prefill_matmul_config(call.config, x, qweight, scales, nullptr, b, c, m, n, k, group_size,
                                        bf16, scratch.counters, scratch.partials, stream);
 }
 

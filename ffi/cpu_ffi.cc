@@ -1,12 +1,12 @@
 // XLA FFI handler for jax_marlin_matmul on the CPU: the same buffers and the
 // same packed layout as the CUDA kernel, so everything but GPU speed can be
 // tested without a GPU. Each 64-column slice of the weight is dequantized from
-// the Marlin layout into an fp32 panel and multiplied in fp32; the per-column
-// scale and the bias are applied in fp32 and the result is rounded to the
-// output dtype (float16 or bfloat16) once. Slices are spread over threads;
-// every output element is computed by one thread in a fixed order, so results
-// are deterministic. The workspace and reduce_scratch results exist for the
-// CUDA kernel and are left untouched here.
+// the Marlin layout, (q - zero point) times the group's scale, into an fp32
+// panel and multiplied in fp32; the per-column scale and the bias are applied
+// in fp32 and the result is rounded to the output dtype (float16 or bfloat16)
+// once. Slices are spread over threads; every output element is computed by
+// one thread in a fixed order, so results are deterministic. The workspace and
+// reduce_scratch results exist for the CUDA kernel and are left untouched here.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -95,6 +95,16 @@ struct ScalePerms {
   }
 };
 
+// The zero point of column `col` (of n) from its row of packed zeros (n / 8
+// words): word 8 (col / 64) + col % 8 of the row, nibble 4 h + t for column
+// 16 t + 8 h + col % 8 of the 64-column chunk (jax_marlin/packing.py).
+inline int zero_point(const int32_t *row, int64_t col) {
+  const int64_t in_chunk = col % 64;
+  const int t = int(in_chunk / 16), h = int(in_chunk / 8) % 2;
+  const uint32_t word = static_cast<uint32_t>(row[8 * (col / 64) + in_chunk % 8]);
+  return int((word >> (4 * (4 * h + t))) & 0xfu);
+}
+
 // Where nibble p of packed word `lane` (0..31) of a 16x16 tile lands in the
 // tile: the mma.m16n8k16 B-fragment of that lane, with Marlin's
 // [0, 2, 4, 6, 1, 3, 5, 7] interleave so that one shift-and-mask yields a
@@ -110,6 +120,7 @@ struct Problem {
   const float *x;          // [m, k]
   const int32_t *qweight;  // [k / 16, 2 n]
   const float *scales;     // [groups, n], logical (unpermuted) order
+  const int8_t *zeros;     // [groups, n] zero points, logical order
   const float *bias;       // [n], or null for no bias
   uint16_t *y;             // [m, n], float16 or bfloat16 bits
   int64_t m, n, k, group_size;
@@ -140,8 +151,9 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
         for (int nib = 0; nib < 8; ++nib) {
           const int64_t row = 16 * tk + tile_row(lane, nib);
           const int col = 16 * tile + tile_col(lane, nib);
-          float w = float(int((word >> (4 * nib)) & 0xfu) - 8);
-          if (grouped) w *= p.scales[(row / p.group_size) * n + kSlice * c + col];
+          const int64_t group = grouped ? row / p.group_size : 0;
+          float w = float(int((word >> (4 * nib)) & 0xfu) - p.zeros[group * n + kSlice * c + col]);
+          if (grouped) w *= p.scales[group * n + kSlice * c + col];
           panel[(col / kCols) * k * kCols + row * kCols + col % kCols] = w;
         }
       }
@@ -185,11 +197,12 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
 }
 
 ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::AnyBuffer scales,
-                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::ResultBuffer<ffi::S32, 1> workspace,
+                     ffi::Buffer<ffi::S32, 2> zeros, ffi::AnyBuffer bias,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32, 1> workspace,
                      ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
                      bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, bias, *y, *workspace, *reduce_scratch, group_size);
+  auto dims = check_matmul(x, qweight, scales, zeros, bias, *y, *workspace, *reduce_scratch,
+                           group_size);
   if (dims.has_error()) return dims.error();
   const int64_t m = dims->m, n = dims->n, k = dims->k;
   const bool bf16 = dims->bf16;
@@ -215,9 +228,15 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t base = 0; base < n; base += chunk)
       for (int t = 0; t < chunk; ++t) sf[g * n + base + perm[t]] = stored[g * n + base + t];
+  // Zero points in logical order: 8 everywhere for a symmetric weight.
+  std::vector<int8_t> zf(static_cast<size_t>(groups * n), 8);
+  if (dims->has_zeros)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t col = 0; col < n; ++col)
+        zf[g * n + col] = int8_t(zero_point(zeros.typed_data() + g * (n / 8), col));
 
-  const Problem p{xf.data(), qweight.typed_data(), sf.data(), bf.empty() ? nullptr : bf.data(),
-                  out, m, n, k, group_size, bf16};
+  const Problem p{xf.data(), qweight.typed_data(), sf.data(), zf.data(),
+                  bf.empty() ? nullptr : bf.data(), out, m, n, k, group_size, bf16};
   const int64_t slices = n / kSlice;
   // Threads only when there is work for them: about 2^22 multiply-adds each.
   const int64_t useful = std::max<int64_t>(1, m * n * k >> 22);

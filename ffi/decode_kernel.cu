@@ -53,6 +53,7 @@ struct DecodeParams {
   int m, n, k;
   int cw, kw;        // chunks and k ranges per block
   int k_warp;        // k rows per warp
+  const int *zeros;  // [k / g, n / 8] or [1, n / 8] packed zero points, or null (zero point 8)
 };
 
 // Rows of k that each warp's range must be a multiple of: whole groups (the
@@ -91,6 +92,19 @@ __device__ inline int4 load_stream(const int4 *p, bool pred) {
   return v;
 }
 
+// The same for one 32-bit word (a thread's zero points of a group).
+__device__ inline int load_stream_word(const int *p, bool pred) {
+  int v;
+  asm volatile("{\n"
+               "  .reg .pred q;\n"
+               "  setp.ne.b32 q, %2, 0;\n"
+               "  @q ld.global.nc.L1::no_allocate.s32 %0, [%1];\n"
+               "}\n"
+               : "=r"(v)
+               : "l"(p), "r"(int(pred)));
+  return v;
+}
+
 __device__ inline void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
@@ -102,7 +116,7 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
                "r"(valid ? 16 : 0));
 }
 
-template <typename scalar_t, int group_blocks, int m_halves>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
 __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodeParams p) {
   namespace cg = cooperative_groups;
   using Scalar = ScalarType<scalar_t>;
@@ -153,7 +167,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 
   // Weight and scale rings: step j of the window is in wq[j]; the scales of
   // the window's group q in sq[q] (thread's 8 scales: columns lane / 4 + 8 i
-  // of the chunk, i.e. tile t's n and n + 8 at halves 2 t and 2 t + 1).
+  // of the chunk, i.e. tile t's n and n + 8 at halves 2 t and 2 t + 1), and
+  // with zero points those of the same 8 columns, one word, in zq[q].
   // Two windows of kDepth steps, in two sets of registers: while one window
   // is multiplied, the loads of the next are in flight, and each load has a
   // whole window of work to land (a single ring of slots refilled as they
@@ -163,7 +178,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   const int s_stride = p.n / 8;  // int4 per row of scales
   const int4 *s_ptr = p.s + 8 * chunk + lane / 4;
   const int group_row0 = grouped ? (kb0 + k_rel) / (16 * group_blocks) : 0;
-  auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int base) {
+  // Word 8 chunk + lane / 4 of a row of zero points: the same 8 columns.
+  const int z_stride = p.n / 8;
+  const int *z_ptr = p.zeros + 8 * chunk + lane / 4;
+  auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int (&zg)[window_groups],
+                  int base) {
 #pragma unroll
     for (int j = 0; j < kDepth; j++)
       w[j] = load_stream(w_ptr + int64_t(base + j) * w_stride, base + j < steps);
@@ -172,11 +191,22 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
       for (int q = 0; q < window_groups; q++)
         sg[q] = load_stream(s_ptr + int64_t(group_row0 + (base + q * group_blocks) / group_blocks) * s_stride,
                             base + q * group_blocks < steps);
+      if constexpr (has_zeros) {
+#pragma unroll
+        for (int q = 0; q < window_groups; q++)
+          zg[q] = load_stream_word(
+              z_ptr + int64_t(group_row0 + (base + q * group_blocks) / group_blocks) * z_stride,
+              base + q * group_blocks < steps);
+      }
     }
   };
   int4 wa[kDepth], wb[kDepth];
   int4 sa[window_groups], sb[window_groups];
-  fill(wa, sa, 0);
+  int za[window_groups], zb[window_groups];
+  fill(wa, sa, za, 0);
+  // Per-column zero points: one row for all of k, read once.
+  int z_column = 0;
+  if constexpr (has_zeros && !grouped) z_column = load_stream_word(z_ptr, true);
 
   FragC acc[4][m_halves];
 #pragma unroll
@@ -198,7 +228,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   // pair of steps at a time: their x fragments (registers {0, 1} and {2, 3}
   // of one ldmatrix.x4 per 8 rows of m), then per step dequantize, scale and
   // multiply.
-  auto window = [&](const int4 (&w)[kDepth], const int4 (&sg)[window_groups], int base) {
+  auto window = [&](const int4 (&w)[kDepth], const int4 (&sg)[window_groups],
+                    const int (&zg)[window_groups], int base) {
 #pragma unroll
     for (int j = 0; j < kDepth; j += 2) {
       if (base + j < steps) {  // steps is even
@@ -215,10 +246,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 #pragma unroll
             for (int t = 0; t < 4; t++) sc[t][0] = reinterpret_cast<const T2 *>(&sv)[t];
           }
+          // Column n (h = 0) or n + 8 (h = 1) of tile t, with its zero point.
+          auto dequant_column = [&](int qt, int t, int h) {
+            if constexpr (has_zeros) {
+              const int zw = grouped ? zg[((j + u) / group_blocks) % window_groups] : z_column;
+              return dequant<scalar_t>(qt, zero_points<scalar_t>(zw, t), h);
+            } else {
+              return dequant<scalar_t>(qt);
+            }
+          };
 #pragma unroll
           for (int t = 0; t < 4; t++) {
-            FragB<scalar_t> lo = dequant<scalar_t>(q[t]);
-            FragB<scalar_t> hi = dequant<scalar_t>(q[t] >> 8);
+            FragB<scalar_t> lo = dequant_column(q[t], t, 0);
+            FragB<scalar_t> hi = dequant_column(q[t] >> 8, t, 1);
             if constexpr (grouped) {
               const T2 s_n = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
               const T2 s_n8 = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
@@ -245,10 +285,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
     }
   };
   for (int base = 0; base < steps; base += 2 * kDepth) {
-    fill(wb, sb, base + kDepth);
-    window(wa, sa, base);
-    fill(wa, sa, base + 2 * kDepth);
-    window(wb, sb, base + kDepth);
+    fill(wb, sb, zb, base + kDepth);
+    window(wa, sa, za, base);
+    fill(wa, sa, za, base + 2 * kDepth);
+    window(wb, sb, zb, base + kDepth);
   }
 
   // Partial sums of every warp into shared memory, rows of m then columns:
@@ -321,15 +361,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 #else
 
 // Host pass and devices before sm_90: the launcher never launches it there.
-template <typename scalar_t, int group_blocks, int m_halves>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
 __global__ void decode_kernel(const DecodeParams) {}
 
 #endif
 
-template <typename scalar_t, int group_blocks, int m_halves>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
 std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                    cudaStream_t stream) {
-  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves>;
+  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros>;
   static std::once_flag once[kMaxDevices];
   static cudaError_t attr_error[kMaxDevices];
   int device;
@@ -363,21 +403,21 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
   return {};
 }
 
-template <typename scalar_t, int group_blocks>
+template <typename scalar_t, int group_blocks, bool has_zeros>
 std::string launch_m(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                      cudaStream_t stream) {
-  if (p.m <= 8) return launch<scalar_t, group_blocks, 1>(p, c, shared, pdl, stream);
-  return launch<scalar_t, group_blocks, 2>(p, c, shared, pdl, stream);
+  if (p.m <= 8) return launch<scalar_t, group_blocks, 1, has_zeros>(p, c, shared, pdl, stream);
+  return launch<scalar_t, group_blocks, 2, has_zeros>(p, c, shared, pdl, stream);
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool has_zeros>
 std::string launch_group(int64_t group_size, const DecodeParams &p, const DecodeConfig &c,
                          int64_t shared, bool pdl, cudaStream_t stream) {
   switch (group_size) {
-    case -1: return launch_m<scalar_t, -1>(p, c, shared, pdl, stream);
-    case 32: return launch_m<scalar_t, 2>(p, c, shared, pdl, stream);
-    case 64: return launch_m<scalar_t, 4>(p, c, shared, pdl, stream);
-    case 128: return launch_m<scalar_t, 8>(p, c, shared, pdl, stream);
+    case -1: return launch_m<scalar_t, -1, has_zeros>(p, c, shared, pdl, stream);
+    case 32: return launch_m<scalar_t, 2, has_zeros>(p, c, shared, pdl, stream);
+    case 64: return launch_m<scalar_t, 4, has_zeros>(p, c, shared, pdl, stream);
+    case 128: return launch_m<scalar_t, 8, has_zeros>(p, c, shared, pdl, stream);
   }
   return "jax_marlin: the decode kernel has no instance for group_size " +
          std::to_string(group_size);
@@ -467,17 +507,22 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
   return best;
 }
 
-std::string decode_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
-                          int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                          const DecodeConfig &config, bool pdl, cudaStream_t stream) {
+std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
+                          const void *bias, void *C, int64_t m, int64_t n, int64_t k,
+                          int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
+                          cudaStream_t stream) {
   if (std::string why = check_decode_config(config, m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   DecodeParams p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                  static_cast<const int4 *>(s), bias, C, int(m), int(n), int(k),
-                 config.cw, config.kw, int(k / (config.s * config.kw))};
+                 config.cw, config.kw, int(k / (config.s * config.kw)),
+                 static_cast<const int *>(zeros)};
   const int64_t shared = shared_bytes(config, m, k);
-  return bf16 ? launch_group<nv_bfloat16>(group_size, p, config, shared, pdl, stream)
-              : launch_group<half>(group_size, p, config, shared, pdl, stream);
+  if (zeros)
+    return bf16 ? launch_group<nv_bfloat16, true>(group_size, p, config, shared, pdl, stream)
+                : launch_group<half, true>(group_size, p, config, shared, pdl, stream);
+  return bf16 ? launch_group<nv_bfloat16, false>(group_size, p, config, shared, pdl, stream)
+              : launch_group<half, false>(group_size, p, config, shared, pdl, stream);
 }
 
 }  // namespace marlin

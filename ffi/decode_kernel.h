@@ -1,4 +1,4 @@
-// The decode kernel: C[m, n] = A[m, k] @ dequant(B, s) + bias for m <= 16 on
+// The decode kernel: C[m, n] = A[m, k] @ dequant(B, s, z) + bias for m <= 16 on
 // Hopper (sm_90), reading the same packed MarlinWeight as the Marlin kernel
 // (marlin_kernel.h states the layout). Plain C++ interface, no XLA, no Python.
 //
@@ -44,10 +44,12 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 // with check_problem and that the device is sm_90). With `pdl` the launch may
 // start while the previous kernel on the stream finishes (programmatic
 // dependent launch): it prefetches its first weights into L2, then waits for
-// that kernel before it reads anything else. Returns an empty string on
+// that kernel before it reads anything else. `zeros` are the packed zero
+// points (marlin_kernel.h), or null for zero point 8. Returns an empty string on
 // success, otherwise a description of the failure.
-std::string decode_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
-                          int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                          const DecodeConfig &config, bool pdl, cudaStream_t stream);
+std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
+                          const void *bias, void *C, int64_t m, int64_t n, int64_t k,
+                          int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
+                          cudaStream_t stream);
 
 }  // namespace marlin

@@ -4,6 +4,9 @@
 //   x         f16|bf16 [..., k]     activations; leading dims are folded into m
 //   qweight   s32 [k / 16, 2 n]     4-bit weights in Marlin's packed layout
 //   scales    f16|bf16 [g, n]       g = k / group_size, or 1 for group_size -1
+//   zeros     s32 [g, n / 8] or [0, 0]   4-bit zero points, 8 a word in the
+//                                   kernels' order (jax_marlin/packing.py);
+//                                   [0, 0]: zero point 8 (symmetric)
 //   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
 //   -> y      f16|bf16 [..., n]
 //   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA)
@@ -35,6 +38,7 @@ auto bind_matmul(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
       .template Arg<ffi::Buffer<ffi::S32, 2>>()              // qweight
       .template Arg<ffi::AnyBuffer>()                        // scales
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()              // zeros
       .template Arg<ffi::AnyBuffer>()                        // bias
       .template Ret<ffi::AnyBuffer>()                        // y
       .template Ret<ffi::Buffer<ffi::S32, 1>>()              // workspace
@@ -46,7 +50,8 @@ auto bind_matmul(Binding binding) {
 struct MatmulDims {
   int64_t m, n, k;
   bool bf16;      // element type of x, scales, bias and y
-  bool has_bias;  // bias has n elements (otherwise none)
+  bool has_zeros;  // zeros has [g, n / 8] elements (otherwise zero point 8)
+  bool has_bias;   // bias has n elements (otherwise none)
 };
 
 // Re-checks at run time what jax_marlin/shapes.py checks at trace time, so a
@@ -54,6 +59,7 @@ struct MatmulDims {
 inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
                                              const ffi::Buffer<ffi::S32, 2> &qweight,
                                              const ffi::AnyBuffer &scales,
+                                             const ffi::Buffer<ffi::S32, 2> &zeros,
                                              const ffi::AnyBuffer &bias,
                                              const ffi::AnyBuffer &y,
                                              const ffi::Buffer<ffi::S32, 1> &workspace,
@@ -82,6 +88,11 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   const int64_t groups = group_size == -1 ? 1 : k / group_size;
   if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
     return invalid("scales must have shape [" + s(groups) + ", " + s(n) + "]");
+  auto zd = zeros.dimensions();
+  const bool has_zeros = zd[0] != 0 || zd[1] != 0;
+  if (has_zeros && (zd[0] != groups || zd[1] != n / 8))
+    return invalid("zeros must have shape [" + s(groups) + ", " + s(n / 8) +
+                   "] or [0, 0] (zero point 8)");
   if (bd.size() != 1 || (bd[0] != n && bd[0] != 0))
     return invalid("bias must have shape [" + s(n) + "] or [0] (no bias)");
   bool y_ok = yd.size() == xd.size() && yd.back() == n;
@@ -93,7 +104,7 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n, k))
     return invalid("reduce_scratch holds " + s(reduce_scratch.element_count()) +
                    " float32, needs " + s(marlin::reduce_scratch_size(m, n, k)));
-  return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, bd[0] == n};
+  return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, has_zeros, bd[0] == n};
 }
 
 }  // namespace jax_marlin

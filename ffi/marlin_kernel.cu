@@ -48,23 +48,30 @@ const KernelPolicy &kernel_policy() {
   return policy;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool has_zeros>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {
   switch (group_blocks) {
-    case 2: return launch_tile<scalar_t, 2>(c, thread_m_blocks, p);
-    case 4: return launch_tile<scalar_t, 4>(c, thread_m_blocks, p);
-    case 8: return launch_tile<scalar_t, 8>(c, thread_m_blocks, p);
-    case -1: return launch_tile<scalar_t, -1>(c, thread_m_blocks, p);
+    case 2: return launch_tile<scalar_t, 2, has_zeros>(c, thread_m_blocks, p);
+    case 4: return launch_tile<scalar_t, 4, has_zeros>(c, thread_m_blocks, p);
+    case 8: return launch_tile<scalar_t, 8, has_zeros>(c, thread_m_blocks, p);
+    case -1: return launch_tile<scalar_t, -1, has_zeros>(c, thread_m_blocks, p);
     default: return "jax_marlin: no kernel for group_blocks = " + std::to_string(group_blocks);
   }
 }
 
+template <typename scalar_t>
+std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
+                         const LaunchArgs &p) {
+  return p.zeros ? launch_group<scalar_t, true>(group_blocks, c, thread_m_blocks, p)
+                 : launch_group<scalar_t, false>(group_blocks, c, thread_m_blocks, p);
+}
+
 }  // namespace
 
-std::string matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
-                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                   int *workspace, float *reduce_scratch, cudaStream_t stream) {
+std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
+                   const void *bias, void *C, int64_t m, int64_t n, int64_t k, int64_t group_size,
+                   bool bf16, int *workspace, float *reduce_scratch, cudaStream_t stream) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -86,11 +93,12 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
                                     ? policy.forced
                                     : choose_decode_config(m, n, k, group_size, info.sms);
     if (config.valid())
-      return decode_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, config, policy.pdl, stream);
+      return decode_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, config, policy.pdl,
+                           stream);
   }
   if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
-    return prefill_matmul(A, B, s, bias, C, m, n, k, group_size, bf16, workspace, reduce_scratch,
-                          stream);
+    return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,
+                          reduce_scratch, stream);
 
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32
@@ -104,7 +112,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
   // each block a slot of the scratch (marlin_scratch_size).
   LaunchArgs p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                static_cast<int4 *>(C), reduce_scratch, static_cast<const int4 *>(s),
-               static_cast<const int4 *>(bias), 0, int(n), int(k), workspace,
+               static_cast<const int4 *>(zeros), static_cast<const int4 *>(bias), 0, int(n), int(k), workspace,
                info.sms < kMaxBlocks ? info.sms : kMaxBlocks,
                info.max_shared, device, stream};
 
@@ -127,8 +135,8 @@ std::string matmul(const void *A, const void *B, const void *s, const void *bias
       thread_m_blocks = 4;
     }
     p.m = int(rows);
-    std::string why = bf16 ? launch_group<nv_bfloat16>(group_blocks, config, int(thread_m_blocks), p)
-                           : launch_group<half>(group_blocks, config, int(thread_m_blocks), p);
+    std::string why = bf16 ? launch_zeros<nv_bfloat16>(group_blocks, config, int(thread_m_blocks), p)
+                           : launch_zeros<half>(group_blocks, config, int(thread_m_blocks), p);
     if (!why.empty()) return why;
     p.A += 16 * thread_m_blocks * (k / 8) * par;
     p.C += 16 * thread_m_blocks * (n / 8) * par;

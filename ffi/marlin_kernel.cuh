@@ -78,7 +78,7 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // of A and B tiles plus the scales). Here each instantiation asks for what it
 // uses, and a configuration the kernel cannot run does not compile.
 template <int threads, int thread_m_blocks, int thread_n_blocks,
-          int thread_k_blocks, int stages, int group_blocks>
+          int thread_k_blocks, int stages, int group_blocks, bool has_zeros = false>
 struct TileShape {
   static constexpr int a_sh_stage = (16 * thread_k_blocks / 8) * 16 * thread_m_blocks;
   static constexpr int b_sh_stride = 32 * thread_n_blocks / 4;
@@ -89,6 +89,11 @@ struct TileShape {
   static constexpr int s_tb_groups =
       group_blocks != -1 && group_blocks < thread_k_blocks ? thread_k_blocks / group_blocks : 1;
   static constexpr int s_sh_stage = s_sh_stride * s_tb_groups;
+  // Zero points (weights that have them): 8 per int32 along n, so a row of
+  // them is a quarter of a row of scales, fetched with the scales' rows (the
+  // one row of per-column zero points with every stage).
+  static constexpr int z_sh_stride = s_sh_stride / 4;
+  static constexpr int z_sh_stage = has_zeros ? z_sh_stride * s_tb_groups : 0;
   static constexpr int b_sh_wr_iters = b_sh_stage / threads;
   static constexpr int k_warps = (threads / 32) / (thread_n_blocks / 4);
   // k tiles that share one row of scales (1 for per-column scales and for
@@ -98,7 +103,7 @@ struct TileShape {
 
   // Global->shared pipeline, then the two phases that reuse its memory: the
   // in-block reduction across k-warps and the reordering before write-out.
-  static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage);
+  static constexpr int pipeline = stages * (a_sh_stage + b_sh_stage + s_sh_stage + z_sh_stage);
   static constexpr int reduce = (threads / b_sh_stride / 2 >= 1) ? 8 * threads : 0;
   static constexpr int write = (2 * thread_n_blocks + 1) * 16 * thread_m_blocks;
   static constexpr int reused = cmax(pipeline, cmax(reduce, write));
@@ -130,6 +135,7 @@ struct TileShape {
                     thread_k_blocks % group_blocks == 0,
                 "a group must span whole k tiles and divide the pipeline, or a k tile whole groups");
   static_assert(s_sh_stage <= threads, "one thread per 16 bytes of a tile's scales");
+  static_assert(z_sh_stage <= threads, "one thread per 16 bytes of a tile's zero points");
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -333,6 +339,74 @@ template <> __device__ inline FragB<nv_bfloat16> dequant<nv_bfloat16>(int q) {
   return frag_b;
 }
 
+// Zero points other than 8 (imported asymmetric weights). dequant subtracts
+// 1024 + 8 (fp16; the high nibble's fma adds -(64 + 8)) or 128 + 8 (bf16)
+// from the values the exponent trick builds; with a zero point z it
+// subtracts 1024 + z (adds -(64 + z)) or 128 + z instead, which keeps q - z
+// exact (an integer in -15..15) at the same instruction count: only the
+// constants become registers. They come from the packed zero points
+// (jax_marlin/packing.py): nibbles t and 4 + t of a thread's word are the
+// zero points of the two columns (n and n + 8) of its tile t, which one shift
+// and one mask put in the two halves of a register, read in place by the
+// half2 instructions (.H0_H0 / .H1_H1 operands).
+template <typename scalar_t> struct ZeroPoints {
+  typename ScalarType<scalar_t>::T2 sub;  // fp16 1024 + z, bf16 128 + z; .x column n, .y n + 8
+  typename ScalarType<scalar_t>::T2 add;  // fp16 -(64 + z) (unused for bf16)
+};
+
+// Plain C (no asm) so that the compiler shares the work between the
+// sub-tiles and steps that read one word.
+template <typename scalar_t>
+__device__ inline ZeroPoints<scalar_t> zero_points(int word, int tile) {
+  const int z = word >> (4 * tile);
+  int sub, add = 0;
+  if constexpr (std::is_same_v<scalar_t, half>) {
+    sub = (z & 0x000f000f) | 0x64006400;
+    add = ((z << 4) & 0x00f000f0) | 0xd400d400;
+  } else {
+    sub = (z & 0x000f000f) | 0x43004300;
+  }
+  ZeroPoints<scalar_t> zp;
+  zp.sub = *reinterpret_cast<typename ScalarType<scalar_t>::T2 *>(&sub);
+  zp.add = *reinterpret_cast<typename ScalarType<scalar_t>::T2 *>(&add);
+  return zp;
+}
+
+// dequant<scalar_t>(q) with the zero point of column n (h = 0: q holds the
+// tile's column n) or n + 8 (h = 1: q >> 8, column n + 8) of `zp`.
+template <typename scalar_t>
+__device__ inline FragB<scalar_t> dequant(int q, const ZeroPoints<scalar_t> &zp, int h);
+
+template <>
+__device__ inline FragB<half> dequant<half>(int q, const ZeroPoints<half> &zp, int h) {
+  const int LO = 0x000f000f;
+  const int HI = 0x00f000f0;
+  const int EX = 0x64006400;
+  int lo = lop3<(0xf0 & 0xcc) | 0xaa>(q, LO, EX);
+  int hi = lop3<(0xf0 & 0xcc) | 0xaa>(q, HI, EX);
+  const int MUL = 0x2c002c00;
+  const half2 sub = h ? __high2half2(zp.sub) : __low2half2(zp.sub);
+  const half2 add = h ? __high2half2(zp.add) : __low2half2(zp.add);
+  FragB<half> frag_b;
+  frag_b[0] = __hsub2(*reinterpret_cast<half2 *>(&lo), sub);
+  frag_b[1] = __hfma2(*reinterpret_cast<half2 *>(&hi), *reinterpret_cast<const half2 *>(&MUL), add);
+  return frag_b;
+}
+
+template <>
+__device__ inline FragB<nv_bfloat16> dequant<nv_bfloat16>(int q, const ZeroPoints<nv_bfloat16> &zp,
+                                                          int h) {
+  const int MASK = 0x000f000f;
+  const int EX = 0x43004300;
+  int lo = lop3<(0xf0 & 0xcc) | 0xaa>(q, MASK, EX);
+  int hi = lop3<(0xf0 & 0xcc) | 0xaa>(q >> 4, MASK, EX);
+  const nv_bfloat162 sub = h ? __high2bfloat162(zp.sub) : __low2bfloat162(zp.sub);
+  FragB<nv_bfloat16> frag_b;
+  frag_b[0] = __hsub2(*reinterpret_cast<nv_bfloat162 *>(&lo), sub);
+  frag_b[1] = __hsub2(*reinterpret_cast<nv_bfloat162 *>(&hi), sub);
+  return frag_b;
+}
+
 // Multiply dequantized values by the corresponding quantization scale; used
 // only for grouped quantization.
 template <typename scalar_t>
@@ -383,8 +457,9 @@ template <typename scalar_t,        // half or nv_bfloat16: A, C, s and bias
           const int thread_k_blocks, // same for k dimension (reduction)
           const int stages, // number of stages for the async global->shared
                             // fetch pipeline
-          const int group_blocks = -1 // number of consecutive 16x16 blocks with
-                                      // a separate quantization scale
+          const int group_blocks = -1, // number of consecutive 16x16 blocks with
+                                       // a separate quantization scale
+          const bool has_zeros = false // per-group zero points (else 8)
           >
 __global__ void
 Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
@@ -397,7 +472,8 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
        int prob_m,          // batch dimension m
        int prob_n,          // output dimension n
        int prob_k,          // reduction dimension k
-       int *locks           // extra global storage for barrier synchronization
+       int *locks,          // extra global storage for barrier synchronization
+       const int4 *__restrict__ zeros // packed zero points [groups, n / 8], if has_zeros
 ) {
   // Each threadblock processes one "stripe" of the B matrix with (roughly) the
   // same size, which might involve multiple column "slices" (of width 16 *
@@ -415,7 +491,7 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   // better partitioning with less reductions
   // Compile-time checks of this configuration (see `TileShape`).
   using Shape = TileShape<threads, thread_m_blocks, thread_n_blocks,
-                          thread_k_blocks, stages, group_blocks>;
+                          thread_k_blocks, stages, group_blocks, has_zeros>;
   static_assert(Shape::shared_bytes > 0, "");
   using Scalar = ScalarType<scalar_t>;
   using T2 = typename Scalar::T2;
@@ -557,6 +633,20 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   };
   int s_gl_rd = s_gl_start();
   int s_sh_wr = threadIdx.x;
+  // Zero points: thread i < z_sh_stage fetches 16 bytes of row
+  // i / z_sh_stride of the tile's rows (row 0 per column), like the scales.
+  constexpr int z_sh_stride = Shape::z_sh_stride;
+  constexpr int z_sh_stage = Shape::z_sh_stage;
+  const int z_gl_stride = prob_n / 32;
+  auto z_gl_start = [&]() {
+    const int group_row = group_blocks == -1 ? 0 : (thread_k_blocks * slice_row) / group_blocks;
+    return z_gl_stride * (group_row + threadIdx.x / z_sh_stride) +
+           z_sh_stride * slice_col + threadIdx.x % z_sh_stride;
+  };
+  int z_gl_rd = has_zeros ? z_gl_start() : 0;
+  // The word of this thread's 8 columns (those of its scales, n + 8 j):
+  // word 8 (64-column chunk) + (column within the chunk's first 8).
+  const int z_sh_rd = 8 * ((threadIdx.x / 32) % (thread_n_blocks / 4)) + (threadIdx.x % 32) / 4;
   int s_sh_rd;
   // We use a different scale layout for grouped and column-wise quantization as
   // we scale a `half2` tile in column-major layout in the former and in
@@ -617,11 +707,13 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
   int4 *sh_a = sh;
   int4 *sh_b = sh_a + (stages * a_sh_stage);
   int4 *sh_s = sh_b + (stages * b_sh_stage);
+  int4 *sh_z = sh_s + (stages * s_sh_stage);
   // Register storage for double buffer of shared memory reads.
   FragA<scalar_t> frag_a[2][thread_m_blocks];
   I4 frag_b_quant[2];
   FragC frag_c[thread_m_blocks][4][2];
   FragS<scalar_t> frag_s[2][4];
+  int frag_z[2];  // this thread's word of zero points, per register buffer
 
   // Zero accumulators.
   auto zero_accums = [&]() {
@@ -665,6 +757,13 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
         if ((pipe + 1) % Shape::group_tiles == 0)  // the group's last tile
           s_gl_rd += s_gl_rd_delta;
       }
+      if constexpr (has_zeros) {
+        int4 *sh_z_stage = sh_z + z_sh_stage * pipe;
+        if (threadIdx.x < z_sh_stage)
+          cp_async4(&sh_z_stage[threadIdx.x], &zeros[z_gl_rd]);
+        if (group_blocks != -1 && (pipe + 1) % Shape::group_tiles == 0)
+          z_gl_rd += z_gl_stride * s_tb_groups;
+      }
     }
     // Insert a fence even when we are winding down the pipeline to ensure that
     // waiting is also correct at this point.
@@ -701,6 +800,17 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       }
       reinterpret_cast<int4 *>(&frag_s[k % 2])[0] = sh_s_stage[s_sh_stride * s_row + s_sh_rd];
     }
+    if constexpr (has_zeros) {
+      // The same row as the scales' (the one row per column).
+      int z_row = 0;
+      if constexpr (s_tb_groups > 1) {
+        constexpr int k_warps = Shape::k_warps;
+        int warp_k = (threadIdx.x / 32) / (thread_n_blocks / 4);
+        z_row = (warp_k + k_warps * (k % b_sh_wr_iters)) / group_blocks;
+      }
+      const int *sh_z_stage = reinterpret_cast<const int *>(sh_z + z_sh_stage * pipe);
+      frag_z[k % 2] = sh_z_stage[4 * z_sh_stride * z_row + z_sh_rd];
+    }
     int4 *sh_a_stage = sh_a + a_sh_stage * pipe;
 #pragma unroll
     for (int i = 0; i < thread_m_blocks; i++)
@@ -718,12 +828,19 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
     for (int j = 0; j < 4; j++) {
       int b_quant = frag_b_quant[k % 2][j];
       int b_quant_shift = b_quant >> 8;
-      FragB<scalar_t> frag_b0 = dequant<scalar_t>(b_quant);
+      // Column n (h = 0) or n + 8 (h = 1) of tile j, with its zero point.
+      auto dequant_column = [&](int q, int h) {
+        if constexpr (has_zeros)
+          return dequant<scalar_t>(q, zero_points<scalar_t>(frag_z[k % 2], j), h);
+        else
+          return dequant<scalar_t>(q);
+      };
+      FragB<scalar_t> frag_b0 = dequant_column(b_quant, 0);
       // If there are no groups, we can just scale the final output once and can
       // avoid doing so for each weight.
       if (group_blocks != -1)
         scale<scalar_t>(frag_b0, frag_s[k % 2][j], 0);
-      FragB<scalar_t> frag_b1 = dequant<scalar_t>(b_quant_shift);
+      FragB<scalar_t> frag_b1 = dequant_column(b_quant_shift, 1);
       if (group_blocks != -1)
         scale<scalar_t>(frag_b1, frag_s[k % 2][j], 1);
 #pragma unroll
@@ -1099,6 +1216,8 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
             B_ptr[i] -= b_gl_stride;
         }
         s_gl_rd = s_gl_start();  // slice_row is 0 again
+        if constexpr (has_zeros)
+          z_gl_rd = z_gl_start();
         start_pipes();
       }
       // Count in on the column of the slot stored above: the fence makes the
@@ -1119,11 +1238,12 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
 // refuses such devices before any launch, so this body never runs.
 template <typename scalar_t, const int threads, const int thread_m_blocks,
           const int thread_n_blocks, const int thread_k_blocks,
-          const int stages, const int group_blocks = -1>
+          const int stages, const int group_blocks = -1, const bool has_zeros = false>
 __global__ void Marlin(const int4 *__restrict__ A, const int4 *__restrict__ B,
                        int4 *__restrict__ C, float *__restrict__ C_tmp,
                        const int4 *__restrict__ s, const int4 *__restrict__ bias,
-                       int prob_m, int prob_n, int prob_k, int *locks) {}
+                       int prob_m, int prob_n, int prob_k, int *locks,
+                       const int4 *__restrict__ zeros) {}
 
 #endif
 
@@ -1132,12 +1252,12 @@ constexpr int kStages = 4;  // 4 pipeline stages: upstream Marlin's tuned depth
 // One kernel instantiation: raise its dynamic shared memory limit once per
 // device (not on every call), then launch.
 template <typename scalar_t, int threads, int thread_m_blocks, int thread_n_blocks,
-          int thread_k_blocks, int group_blocks>
+          int thread_k_blocks, int group_blocks, bool has_zeros>
 std::string launch(const LaunchArgs &p) {
   using Shape = TileShape<threads, thread_m_blocks, thread_n_blocks,
-                          thread_k_blocks, kStages, group_blocks>;
+                          thread_k_blocks, kStages, group_blocks, has_zeros>;
   auto *kernel = Marlin<scalar_t, threads, thread_m_blocks, thread_n_blocks,
-                        thread_k_blocks, kStages, group_blocks>;
+                        thread_k_blocks, kStages, group_blocks, has_zeros>;
   if (Shape::shared_bytes > p.max_shared)
     return "jax_marlin: the kernel tile needs " + std::to_string(Shape::shared_bytes) +
            " bytes of shared memory per block, the device allows " +
@@ -1150,26 +1270,26 @@ std::string launch(const LaunchArgs &p) {
   });
   if (attr_error[p.device]) return cuda_error("cudaFuncSetAttribute", attr_error[p.device]);
   kernel<<<p.blocks, threads, Shape::shared_bytes, p.stream>>>(
-      p.A, p.B, p.C, p.C_tmp, p.s, p.bias, p.m, p.n, p.k, p.locks);
+      p.A, p.B, p.C, p.C_tmp, p.s, p.bias, p.m, p.n, p.k, p.locks, p.zeros);
   if (cudaError_t error = cudaGetLastError()) return cuda_error("kernel launch", error);
   return {};
 }
 
 template <typename scalar_t, int threads, int thread_n_blocks, int thread_k_blocks,
-          int group_blocks>
+          int group_blocks, bool has_zeros>
 std::string launch_m(int thread_m_blocks, const LaunchArgs &p) {
   switch (thread_m_blocks) {
-    case 1: return launch<scalar_t, threads, 1, thread_n_blocks, thread_k_blocks, group_blocks>(p);
-    case 2: return launch<scalar_t, threads, 2, thread_n_blocks, thread_k_blocks, group_blocks>(p);
-    case 3: return launch<scalar_t, threads, 3, thread_n_blocks, thread_k_blocks, group_blocks>(p);
-    case 4: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks>(p);
+    case 1: return launch<scalar_t, threads, 1, thread_n_blocks, thread_k_blocks, group_blocks, has_zeros>(p);
+    case 2: return launch<scalar_t, threads, 2, thread_n_blocks, thread_k_blocks, group_blocks, has_zeros>(p);
+    case 3: return launch<scalar_t, threads, 3, thread_n_blocks, thread_k_blocks, group_blocks, has_zeros>(p);
+    case 4: return launch<scalar_t, threads, 4, thread_n_blocks, thread_k_blocks, group_blocks, has_zeros>(p);
     default: return "jax_marlin: no kernel for thread_m_blocks = " + std::to_string(thread_m_blocks);
   }
 }
 
 // The tile of marlin_problem.h's kTiles equal to `c`, instantiated for each
 // entry of the table in order (and for nothing else).
-template <typename scalar_t, int group_blocks, size_t... tile>
+template <typename scalar_t, int group_blocks, bool has_zeros, size_t... tile>
 std::string launch_tile_of(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p,
                            std::index_sequence<tile...>) {
   std::string why = "jax_marlin: no kernel for the tile (thread_k, thread_n, threads) = (" +
@@ -1177,16 +1297,16 @@ std::string launch_tile_of(const ThreadConfig &c, int thread_m_blocks, const Lau
                     std::to_string(c.threads) + ")";
   ((c == kTiles[tile] &&
     (why = launch_m<scalar_t, kTiles[tile].threads, kTiles[tile].thread_n / 16,
-                    kTiles[tile].thread_k / 16, group_blocks>(thread_m_blocks, p),
+                    kTiles[tile].thread_k / 16, group_blocks, has_zeros>(thread_m_blocks, p),
      true)) ||
    ...);
   return why;
 }
 
-template <typename scalar_t, int group_blocks>
+template <typename scalar_t, int group_blocks, bool has_zeros>
 std::string launch_tile(const ThreadConfig &c, int thread_m_blocks, const LaunchArgs &p) {
-  return launch_tile_of<scalar_t, group_blocks>(c, thread_m_blocks, p,
-                                                std::make_index_sequence<kNumTiles>());
+  return launch_tile_of<scalar_t, group_blocks, has_zeros>(c, thread_m_blocks, p,
+                                                           std::make_index_sequence<kNumTiles>());
 }
 
 }  // namespace marlin

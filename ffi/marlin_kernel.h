@@ -1,11 +1,13 @@
 // Plain C++ interface of the Marlin FP16/BF16 x INT4 GEMM (no XLA, no Python).
 //
-//   C[m, n] = A[m, k] @ dequant(B, s) + bias     A, C: fp16 or bf16, row-major
+//   C[m, n] = A[m, k] @ dequant(B, s, z) + bias     A, C: fp16 or bf16, row-major
 //
 // B is the 4-bit weight in Marlin's packed layout, int32 [k / 16, 2 * n]; s the
 // scales (A's dtype), [k / group_size, n] (group_size 32, 64 or 128) or [1, n]
 // (group_size -1, one scale per column), in Marlin's permuted order;
-// jax_marlin/packing.py writes both. bias is [n] in A's dtype, or null.
+// jax_marlin/packing.py writes both. zeros are the 4-bit zero points, int32
+// [k / group_size (or 1), n / 8] in the order packing.py states, or null for
+// zero point 8. bias is [n] in A's dtype, or null.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,7 +25,8 @@ namespace marlin {
 // that share an output tile sum their partial results there in fp32. Returns
 // an empty string on success, otherwise a description of the failure
 // (nothing is thrown).
-std::string matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
+std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
+                   const void *bias, void *C,
                    int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                    int *workspace, float *reduce_scratch, cudaStream_t stream);
 

@@ -63,6 +63,7 @@ struct LaunchArgs {
   int4 *C;           // [m, n] output
   float *C_tmp;      // marlin_scratch_size(m, n) fp32 partial sums
   const int4 *s;     // scales
+  const int4 *zeros; // packed zero points [groups, n / 8], or null (zero point 8)
   const int4 *bias;  // [n] or null
   int m, n, k;
   int *locks;        // marlin_locks_size(m, n), zero at launch
@@ -73,9 +74,10 @@ struct LaunchArgs {
 };
 
 // Launches the kernel for `config` and thread_m_blocks (1..4) with elements
-// of type scalar_t (half or nv_bfloat16) and group_blocks = group_size / 16
-// (or -1). Defined in marlin_kernel.cuh, instantiated in marlin_instance.cu.
-template <typename scalar_t, int group_blocks>
+// of type scalar_t (half or nv_bfloat16), group_blocks = group_size / 16 (or
+// -1) and, with has_zeros, the zero points p.zeros. Defined in
+// marlin_kernel.cuh, instantiated in marlin_instance.cu.
+template <typename scalar_t, int group_blocks, bool has_zeros>
 std::string launch_tile(const ThreadConfig &config, int thread_m_blocks, const LaunchArgs &p);
 
 }  // namespace marlin

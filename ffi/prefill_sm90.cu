@@ -62,11 +62,11 @@ std::string encode_a_map(CUtensorMap *map, const void *A, int64_t m, int64_t k, 
   return {};
 }
 
-template <typename scalar_t, int block_m, int block_n, int group_size>
+template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros>
 std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, int device,
                    int max_shared, cudaStream_t stream) {
-  constexpr int bytes = prefill::Smem<block_m, block_n>::bytes;
-  auto *kernel = prefill::prefill_kernel<scalar_t, block_m, block_n, group_size>;
+  constexpr int bytes = prefill::Smem<block_m, block_n, has_zeros>::bytes;
+  auto *kernel = prefill::prefill_kernel<scalar_t, block_m, block_n, group_size, has_zeros>;
   if (bytes > max_shared)
     return "jax_marlin: the prefill tile needs " + std::to_string(bytes) +
            " bytes of shared memory per block, the device allows " + std::to_string(max_shared);
@@ -96,15 +96,19 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
   return {};
 }
 
-template <typename scalar_t, int block_m, int block_n>
+template <typename scalar_t, int block_m, int block_n, bool has_zeros>
 std::string launch_group(int64_t group_size, const CUtensorMap &map,
                          const prefill::Args<scalar_t> &args, int device, int max_shared,
                          cudaStream_t stream) {
   switch (group_size) {
-    case 32: return launch<scalar_t, block_m, block_n, 32>(map, args, device, max_shared, stream);
-    case 64: return launch<scalar_t, block_m, block_n, 64>(map, args, device, max_shared, stream);
-    case 128: return launch<scalar_t, block_m, block_n, 128>(map, args, device, max_shared, stream);
-    default: return launch<scalar_t, block_m, block_n, -1>(map, args, device, max_shared, stream);
+    case 32:
+      return launch<scalar_t, block_m, block_n, 32, has_zeros>(map, args, device, max_shared, stream);
+    case 64:
+      return launch<scalar_t, block_m, block_n, 64, has_zeros>(map, args, device, max_shared, stream);
+    case 128:
+      return launch<scalar_t, block_m, block_n, 128, has_zeros>(map, args, device, max_shared, stream);
+    default:
+      return launch<scalar_t, block_m, block_n, -1, has_zeros>(map, args, device, max_shared, stream);
   }
 }
 
@@ -119,8 +123,11 @@ std::string launch_tile(const PrefillConfig &config, int64_t group_size, const C
                         cudaStream_t stream) {
   auto group = [&](auto tile) {
     constexpr int block_m = decltype(tile)::first, block_n = decltype(tile)::second;
-    return launch_group<scalar_t, block_m, block_n>(group_size, map, args, device, max_shared,
-                                                    stream);
+    if (args.zeros)
+      return launch_group<scalar_t, block_m, block_n, true>(group_size, map, args, device,
+                                                            max_shared, stream);
+    return launch_group<scalar_t, block_m, block_n, false>(group_size, map, args, device,
+                                                           max_shared, stream);
   };
   switch (config.block_m * 1000 + config.block_n) {
     case 64128: return group(Tile<64, 128>{});
@@ -166,9 +173,9 @@ PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms) {
 }
 
 std::string prefill_matmul_config(const PrefillConfig &config, const void *A, const void *B,
-                                  const void *s, const void *bias, void *C, int64_t m, int64_t n,
-                                  int64_t k, int64_t group_size, bool bf16, int *counters,
-                                  float *partials, cudaStream_t stream) {
+                                  const void *s, const void *zeros, const void *bias, void *C,
+                                  int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
+                                  int *counters, float *partials, cudaStream_t stream) {
   auto str = [](int64_t v) { return std::to_string(v); };
   if (!is_group_size(group_size))
     return "jax_marlin: group_size must be -1, 32, 64 or 128, got " + str(group_size);
@@ -187,9 +194,9 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
   if (config.splits < 1 || config.splits > max_splits)
     return "jax_marlin: prefill splits = " + str(config.splits) + " outside 1.." + str(max_splits);
   if (m == 0) return {};
-  for (const void *p : {A, B, s})
+  for (const void *p : {A, B, s, zeros})
     if (reinterpret_cast<uintptr_t>(p) % 16)
-      return "jax_marlin: the prefill kernel needs A, B and s 16-byte aligned";
+      return "jax_marlin: the prefill kernel needs A, B, s and zeros 16-byte aligned";
   if (config.splits > 1 && (!counters || !partials))
     return "jax_marlin: a split prefill launch needs counters and partials";
 
@@ -214,18 +221,19 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
                                     static_cast<const nv_bfloat16 *>(s),
                                     static_cast<const nv_bfloat16 *>(bias),
                                     static_cast<nv_bfloat16 *>(C), partials, counters, mi, ni, ki,
-                                    config.splits};
+                                    config.splits, static_cast<const uint32_t *>(zeros)};
     return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
   }
   prefill::Args<half> args{static_cast<const uint32_t *>(B), static_cast<const half *>(s),
                            static_cast<const half *>(bias), static_cast<half *>(C), partials,
-                           counters, mi, ni, ki, config.splits};
+                           counters, mi, ni, ki, config.splits, static_cast<const uint32_t *>(zeros)};
   return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
 }
 
-std::string prefill_matmul(const void *A, const void *B, const void *s, const void *bias, void *C,
-                           int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                           int *counters, float *partials, cudaStream_t stream) {
+std::string prefill_matmul(const void *A, const void *B, const void *s, const void *zeros,
+                           const void *bias, void *C, int64_t m, int64_t n, int64_t k,
+                           int64_t group_size, bool bf16, int *counters, float *partials,
+                           cudaStream_t stream) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -233,8 +241,8 @@ std::string prefill_matmul(const void *A, const void *B, const void *s, const vo
   const DeviceInfo *device_attrs;
   if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
   const DeviceInfo &info = *device_attrs;
-  return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, bias, C, m, n, k,
-                               group_size, bf16, counters, partials, stream);
+  return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, zeros, bias, C, m, n,
+                               k, group_size, bf16, counters, partials, stream);
 }
 
 }  // namespace marlin

@@ -46,7 +46,9 @@
 //   layout a copy can write), as much as a 16-byte load would; at 2 KiB per
 //   64 x 16 weight tile against the B operand's block_m x 32 bytes it is
 //   affordable, and nothing else in shared memory spares it.
-// - grouped scales: the tile's one or two rows of scales (block_n x 2 bytes).
+// - grouped scales: the tile's one or two rows of scales (block_n x 2 bytes),
+//   and with zero points their one or two rows of those (block_n / 2 bytes;
+//   per-column zero points are read once, from global memory, instead).
 // Two consumer warpgroups each own one or two chunks of the tile (one
 // accumulator of 64 x block_m each): they wait for a stage, dequantize and
 // scale their weight fragments and issue a wgmma (k = 16) per k step and
@@ -79,20 +81,23 @@ constexpr int kKSteps = kPrefillBlockK / 16;  // wgmmas (k = 16) per stage and c
 constexpr int kChunkBytes = 512;    // 16 rows x 64 columns of 4-bit weights
 
 // Shared memory of one tile: the stage ring, then the mbarriers.
-template <int block_m, int block_n> struct Smem {
+template <int block_m, int block_n, bool has_zeros = false> struct Smem {
   static constexpr int chunks = block_n / 64;              // 64-column chunks per tile
   static constexpr int w_band = chunks * kChunkBytes;      // one 16-row band of the tile's weights
   static constexpr int s_row = block_n * 2;                // one row of the tile's scales
   static constexpr int a_stage = block_m * kPrefillBlockK * 2;  // 128 bytes per row of A
   static constexpr int w_stage = kKSteps * w_band;
   static constexpr int s_stage = 2 * s_row;  // groups of 32 rows: two per stage
-  static constexpr int stage = a_stage + w_stage + s_stage;
+  static constexpr int z_row = block_n / 2;  // one row of the tile's zero points (4 bits each)
+  static constexpr int z_stage = has_zeros ? 2 * z_row : 0;
+  static constexpr int stage = a_stage + w_stage + s_stage + z_stage;
   static constexpr int budget = 220 * 1024;
   static constexpr int stages = budget / stage < 16 ? budget / stage : 16;
   static constexpr int a_offset = 0;
   static constexpr int w_offset = stages * a_stage;
   static constexpr int s_offset = w_offset + stages * w_stage;
-  static constexpr int bar_offset = s_offset + stages * s_stage;
+  static constexpr int z_offset = s_offset + stages * s_stage;
+  static constexpr int bar_offset = z_offset + stages * z_stage;
   // 1024 bytes of slack to align the ring: the 128-byte swizzle repeats every
   // 8 rows (1 KiB), and TMA and wgmma agree on it only from a 1 KiB boundary.
   static constexpr int bytes = 1024 + bar_offset + 2 * stages * 8;
@@ -293,6 +298,7 @@ template <typename scalar_t> struct Args {
   float *partials;          // split k: [tiles, splits, block_m block_n / 1024, 256] float4
   int *counters;            // split k: one per tile, zero at launch, left zero
   int m, n, k, splits;
+  const uint32_t *zeros;    // [k / group_size, n / 8] or [1, n / 8] packed zero points, if has_zeros
 };
 
 // Stored position of logical column `col` among per-column scales: each run
@@ -302,11 +308,11 @@ __host__ __device__ inline int column_scale_index(int col) {
   return (col & ~31) + 8 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1);
 }
 
-template <typename scalar_t, int block_m, int block_n, int group_size>
+template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap a_map, const Args<scalar_t> args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<block_m, block_n>;
+  using S = Smem<block_m, block_n, has_zeros>;
   using T2 = typename ScalarType<scalar_t>::T2;
   constexpr int stages = S::stages;
   constexpr int acc_regs = block_m / 2;     // 64 x block_m fp32 over 128 threads, per chunk
@@ -355,8 +361,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       const size_t row_words = 2 * size_t(args.n);  // one 16-row band of qweight
       const uint32_t w_bytes = valid_chunks * kChunkBytes, s_bytes = valid_chunks * 64 * 2;
+      const uint32_t z_bytes = valid_chunks * 64 / 2;  // 8 words per chunk
       const uint32_t tx =
-          S::a_stage + kKSteps * w_bytes + (group_size == -1 ? 0 : scale_rows * s_bytes);
+          S::a_stage + kKSteps * w_bytes + (group_size == -1 ? 0 : scale_rows * s_bytes) +
+          (group_size != -1 && has_zeros ? scale_rows * z_bytes : 0);
       for (int i = 0; i < iters; ++i) {
         const int s = i % stages;
         if (i >= stages) mbar_wait(empty_bar + 8 * s, ((i / stages) - 1) & 1);
@@ -376,6 +384,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int r = 0; r < scale_rows; ++r)
             bulk_load(base + S::s_offset + s * S::s_stage + r * S::s_row,
                       args.scales + size_t(g0 + r) * args.n + n0, s_bytes, full);
+          if constexpr (has_zeros) {
+            // Row g0 + r of the zero points from word n0 / 8 (chunk n0 / 64).
+#pragma unroll
+            for (int r = 0; r < scale_rows; ++r)
+              bulk_load(base + S::z_offset + s * S::z_stage + r * S::z_row,
+                        args.zeros + size_t(g0 + r) * (args.n / 8) + n0 / 8, z_bytes, full);
+          }
         }
       }
     }
@@ -402,6 +417,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the previous stage's wgmma of (r, c) is done, while the ones after it keep
   // the tensor cores busy.
   uint32_t a[kKSteps][wg_chunks][4];
+  // Per-column zero points: one row for all of k, read once (a chunk past n,
+  // of a partial last tile, reads none: its columns are never written).
+  int z_column[wg_chunks];
+  if constexpr (has_zeros && group_size == -1) {
+#pragma unroll
+    for (int c = 0; c < wg_chunks; ++c) {
+      const int chunk = cw * wg_chunks + c;
+      z_column[c] = chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0;
+    }
+  }
   for (int i = 0; i < iters; ++i) {
     const int s = i % stages;
     mbar_wait(full_bar + 8 * s, (i / stages) & 1);
@@ -427,6 +452,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           s2[g][c] = *reinterpret_cast<const T2 *>(s_stage + g * S::s_row + c * 128 +
                                                    2 * (8 * (lane / 4) + 2 * warp));
     }
+    // The same columns' zero points: word lane / 4 of each chunk's 8, tile
+    // `warp` (marlin_kernel.cuh, zero_points).
+    int z2[scale_rows][wg_chunks];
+    if constexpr (has_zeros && group_size != -1) {
+      const uint8_t *z_stage = smem + S::z_offset + s * S::z_stage + cw * wg_chunks * 32;
+#pragma unroll
+      for (int g = 0; g < scale_rows; ++g)
+#pragma unroll
+        for (int c = 0; c < wg_chunks; ++c)
+          z2[g][c] = *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4));
+    }
     const uint32_t a_tile = base + S::a_offset + s * S::a_stage;
 #pragma unroll
     for (int r = 0; r < kKSteps; ++r) {
@@ -438,7 +474,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         // those wgmmas, so they are done too).
         if (r == kKSteps - 1 && c == wg_chunks - 1 && i > 0 && lane == 0)
           mbar_arrive(empty_bar + 8 * ((i - 1) % stages));
-        FragB<scalar_t> lo = dequant<scalar_t>(q[r][c]), hi = dequant<scalar_t>(q[r][c] >> 8);
+        // Column g (h = 0) or g + 8 (h = 1) of the warp's tile, with its zero point.
+        auto dequant_column = [&](int qw, int h) {
+          if constexpr (has_zeros) {
+            const int zw = group_size == -1 ? z_column[c] : z2[r * 16 * scale_rows / kPrefillBlockK][c];
+            return dequant<scalar_t>(qw, zero_points<scalar_t>(zw, warp), h);
+          } else {
+            return dequant<scalar_t>(qw);
+          }
+        };
+        FragB<scalar_t> lo = dequant_column(q[r][c], 0), hi = dequant_column(q[r][c] >> 8, 1);
         if constexpr (group_size != -1) {
           // lo holds column g's values, hi column g + 8's.
           const T2 sr = s2[r * 16 * scale_rows / kPrefillBlockK][c];

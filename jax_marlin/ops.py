@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from jax_marlin import partitioning, shapes
 from jax_marlin._compat import (Primitive, ShapedArray, ad, batching, mlir,
                                 requires_devices_during_lowering)
-from jax_marlin.packing import (_ZERO_POINT, MarlinWeight, _check_weight, _unpermute_scales,
-                                dequantize)
+from jax_marlin.packing import MarlinWeight, _check_weight, dequantize
 
 __all__ = ["matmul"]
 
@@ -48,22 +47,15 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
     ``TypeError`` (``jax.lax.stop_gradient`` it, or close over it).
 
     Weights imported with act-order or zero points (``w.perm``, ``w.zeros``)
-    cost a little more, in the same jitted call:
+    run in the same jitted call:
 
+    * zero points: the kernels dequantize ``(q - z) s`` with the weight's
+      zero points (one rounding of each weight, as with zero point 8), so
+      ``y`` is rounded once as for a symmetric weight; the zero points add
+      ``n k / (2 g)`` bytes to the weight's read (0.8% at ``g = 128``).
     * act-order: ``x[..., perm]``, a gather of the activations that XLA
       fuses with the padding of ``x`` (``m k`` elements; no pass over the
       weight).
-    * zero points: the kernel runs with zero point 8, and
-      ``(q - z) s = (q - 8) s + (8 - z) s`` adds ``xs @ Z``: ``xs [..., k /
-      group_size]`` the sums of ``x`` over each group's rows, ``Z = (8 - z) s
-      [k / group_size, n]``, both in float32 (exact: ``Z`` is an integer
-      times a float16/bfloat16). That is a reduction over ``x``, a dense dot
-      of ``[m, k / g] x [k / g, n]`` (``1 / g`` of the kernel's flops) and a
-      read of the zero points and scales (``3 n k / g`` bytes, ``6 / g`` of
-      the packed weight's). The kernel has already rounded its product to
-      ``x.dtype``, so ``y`` is rounded twice, ``round(round(x @ W_8) + xs @
-      Z)``: the error grows from one rounding of ``y`` to one of ``x @ W_8``
-      plus one of ``y`` (measured in ``benchmarks/NOTES.md``).
     """
     return _matmul(x, w, bias, poison_output=False)
 
@@ -145,10 +137,9 @@ def _padded_matmul(*operands, weight_tree, poison_output: bool) -> jax.Array:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
     if bias.shape != (0,) and w.n_pad > w.n:
         bias = jnp.pad(bias, (0, w.n_pad - w.n))
-    y = partitioning.matmul(x, w.qweight, w.scales, bias, w.k_pad, w.n_pad, w.group_size,
-                            poison_output, w.perm is not None)
-    if w.zeros is not None:
-        y = _zero_point_correction(y, x, w.scales, w.zeros, w.group_size)
+    zeros = jnp.zeros((0, 0), jnp.int32) if w.zeros is None else w.zeros  # [0, 0]: none
+    y = partitioning.matmul(x, w.qweight, w.scales, zeros, bias, w.k_pad, w.n_pad,
+                            w.group_size, poison_output, w.perm is not None)
     return y[..., :w.n] if w.n_pad > w.n else y
 
 
@@ -162,27 +153,6 @@ def _act_order(x, perm):
     gather needs no out-of-bounds fill (XLA clamps indices in any case).
     """
     return x.at[..., perm].get(mode="promise_in_bounds", unique_indices=True)
-
-
-# --- zero points -----------------------------------------------------------------------
-
-
-def _zero_point_correction(y, x, scales, zeros, group_size):
-    """``y + xs @ Z``, rounded once more to ``y.dtype``: the weight's zero points.
-
-    ``y [..., n_pad]`` is the kernel's ``x @ W_8`` with ``W_8 = (q - 8) s``;
-    the weight is ``(q - z) s = W_8 + (8 - z) s``, so the rest of the product
-    is ``xs [..., groups] @ Z [groups, n_pad]``, ``xs`` the sums of the padded
-    ``x [..., k_pad]`` over each group of rows (all of them per column), ``Z =
-    (8 - z) s`` from the natural-order scales. Both in float32, ``Z`` exactly.
-    """
-    k_pad = x.shape[-1]
-    group_rows = k_pad if group_size == -1 else group_size
-    xs = x.astype(jnp.float32).reshape(*x.shape[:-1], k_pad // group_rows, group_rows).sum(-1)
-    s = _unpermute_scales(scales, group_size).astype(jnp.float32)
-    z = (_ZERO_POINT - zeros.astype(jnp.float32)) * s
-    correction = jnp.matmul(xs, z, precision=jax.lax.Precision.HIGHEST)
-    return (y.astype(jnp.float32) + correction).astype(y.dtype)
 
 
 # Eager binds run through jit, so that eager calls on sharded arrays are

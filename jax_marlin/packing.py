@@ -29,12 +29,12 @@ padded columns of ``y``; ``unpack`` and ``dequantize`` return the logical
 Zero points and act-order (checkpoints from other quantizers). A weight may
 carry two more arrays, ``None`` when absent:
 
-* ``zeros``: uint8 ``[k_pad // group_size, n_pad]`` (``[1, n_pad]`` per
-  column), integer zero points 0..15 in natural column order; padded entries
-  hold 8. The weight is then ``(q - zeros) * scales``. The kernel dequantizes
-  with zero point 8 only, so ``jm.matmul`` adds the difference
-  ``(q - z) s - (q - 8) s = (8 - z) s`` as a small dense product after the
-  kernel (``jax_marlin.ops``).
+* ``zeros``: int32 ``[k_pad // group_size, n_pad // 8]`` (``[1, n_pad // 8]``
+  per column), integer zero points 0..15, eight 4-bit values per word along n
+  in the order the kernels read them (the grouped scales' permutation and the
+  weight fragment's interleave, see "the zero-point layout" below; the same
+  for every group size); padded entries hold 8. The weight is then
+  ``(q - zeros) * scales``, dequantized that way inside the kernels.
 * ``perm``: int32 ``[k]``, act-order. Rows are stored sorted by group
   (``perm`` = the stable argsort of the rows' groups ``g_idx``), so each group
   is a run of ``group_size`` consecutive stored rows, as the kernel needs;
@@ -87,8 +87,9 @@ class MarlinWeight:
         scale per column (static).
       perm: ``None``, or int32 ``[k]`` for act-order weights: stored row ``i``
         is the weight's row ``perm[i]`` (module doc).
-      zeros: ``None`` (zero point 8), or uint8 ``[k_pad // group_size, n_pad]``
-        (``[1, n_pad]`` for -1) zero points 0..15 in natural column order.
+      zeros: ``None`` (zero point 8), or int32 ``[k_pad // group_size, n_pad // 8]``
+        (``[1, n_pad // 8]`` for -1), zero points 0..15 packed 8 per word in
+        the kernels' order (module doc).
 
     A pytree: ``qweight``, ``scales``, ``perm`` and ``zeros`` are leaves (an
     absent one, ``None``, is an empty subtree), ``k``, ``n`` and
@@ -225,6 +226,40 @@ def _unpermute_scales(scales: jax.Array, group_size: int) -> jax.Array:
     return _permute_scales(scales, group_size)
 
 
+# --- the zero-point layout ---------------------------------------------------
+#
+# A thread of the kernels reads the grouped scales of columns i + 8 jj
+# (jj = 0..7) of a 64-column chunk with one 16-byte load (stored positions
+# 8 i .. 8 i + 7, above); the zero points of the same columns are one int32,
+# word i of the chunk's 8 (word 8 chunk + i of the row; the same for every
+# group size). Its
+# nibble p holds column i + 8 jj with jj = [0, 2, 4, 6, 1, 3, 5, 7][p], the
+# weight fragment's interleave: tile t of the chunk (columns 16 t + i and
+# 16 t + i + 8, jj = 2 t, 2 t + 1) finds its two zero points at bits 4 t and
+# 16 + 4 t, so one shift and one mask put them in the two halves of a
+# register. With column 16 t + 8 h + i of the chunk as (t, h, i), nibble
+# 4 h + t of word i is the plain transpose (t, h, i) -> (i, h, t).
+
+
+def _pack_zeros(zeros: jax.Array) -> jax.Array:
+    """``zeros [g, n]`` ints in 0..15, natural order -> int32 ``[g, n // 8]`` (above)."""
+    g, n = zeros.shape
+    t = zeros.astype(jnp.uint32).reshape(g, n // 64, 4, 2, 8)  # g, chunk, t, h, i
+    t = t.transpose(0, 1, 4, 3, 2).reshape(g, n // 8, 8)      # -> g, chunk, i, (h, t)
+    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+    words = (t << shifts).sum(axis=-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _unpack_zeros(zeros: jax.Array) -> jax.Array:
+    """Inverse of :func:`_pack_zeros`: int32 ``[g, n // 8]`` -> uint8 ``[g, n]``."""
+    g, words = zeros.shape
+    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+    t = ((jax.lax.bitcast_convert_type(zeros, jnp.uint32)[..., None] >> shifts) & 0xF)
+    t = t.astype(jnp.uint8).reshape(g, words // 8, 8, 2, 4)  # g, chunk, i, h, t
+    return t.transpose(0, 1, 4, 3, 2).reshape(g, 8 * words)
+
+
 # --- public API ----------------------------------------------------------------
 
 
@@ -275,7 +310,7 @@ def pack(q, scales, group_size: int = 128, dtype=None, *, zeros=None,
                              f"the scales' shape {expected}")
         _check_nibbles("zeros", zeros)
         if _is_concrete(zeros) and bool((zeros == _ZERO_POINT).all()):
-            zeros = None  # the kernel's own zero point: nothing to correct
+            zeros = None  # zero point 8: the symmetric kernels
     perm = None if g_idx is None else _act_order(g_idx, k, group_size)
     if perm is not None:
         q = q[perm]
@@ -320,9 +355,10 @@ def _act_order(g_idx, k: int, group_size: int):
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _pad_zeros(zeros, k_pad, n_pad, group_size):
     groups_pad = shapes.num_groups(k_pad, group_size)
-    return jnp.pad(zeros.astype(jnp.uint8), ((0, groups_pad - zeros.shape[0]),
-                                             (0, n_pad - zeros.shape[1])),
-                   constant_values=_ZERO_POINT)
+    zeros = jnp.pad(zeros.astype(jnp.uint8), ((0, groups_pad - zeros.shape[0]),
+                                              (0, n_pad - zeros.shape[1])),
+                    constant_values=_ZERO_POINT)
+    return _pack_zeros(zeros)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -370,7 +406,7 @@ def _unpack(qweight, scales, perm, zeros, k, n, group_size):
         q = jnp.zeros_like(q).at[perm].set(q)
         g_idx = jnp.zeros_like(g_idx).at[perm].set(g_idx)
     zeros = (jnp.full((groups, n), _ZERO_POINT, jnp.int32) if zeros is None
-             else zeros[:groups, :n].astype(jnp.int32))
+             else _unpack_zeros(zeros)[:groups, :n].astype(jnp.int32))
     return q, scales, zeros, g_idx
 
 
@@ -481,7 +517,7 @@ def _dequantize(qweight, scales, perm, zeros, k, n, group_size, dtype):
     q, scales = _unpack_padded(qweight, scales, group_size)
     k_pad, n_pad = q.shape
     g = _group_rows(k_pad, group_size)
-    zero = _ZERO_POINT if zeros is None else zeros.astype(jnp.float32)[:, None, :]
+    zero = _ZERO_POINT if zeros is None else _unpack_zeros(zeros).astype(jnp.float32)[:, None, :]
     vals = q.astype(jnp.float32).reshape(k_pad // g, g, n_pad) - zero
     full = (vals * scales.astype(jnp.float32)[:, None, :]).reshape(k_pad, n_pad)[:k, :n]
     if perm is not None:  # stored row i is row perm[i]
@@ -509,10 +545,12 @@ def _check_weight(w) -> None:
     if s_shape != expected_s:
         raise ValueError(f"scales.shape = {s_shape}, expected {expected_s} for "
                          f"[k_pad, n_pad] = [{w.k_pad}, {w.n_pad}], group_size = {w.group_size}")
-    if w.zeros is not None and (tuple(w.zeros.shape) != expected_s
-                                or np.dtype(w.zeros.dtype) != np.uint8):
-        raise ValueError(f"zeros: {_describe(w.zeros)}, expected uint8{list(expected_s)} "
-                         f"(the scales' shape)")
+    expected_z = (expected_s[0], w.n_pad // 8)
+    if w.zeros is not None and (tuple(w.zeros.shape) != expected_z
+                                or np.dtype(w.zeros.dtype) != np.int32):
+        raise ValueError(f"zeros: {_describe(w.zeros)}, expected int32{list(expected_z)} "
+                         f"(the scales' rows, 8 zero points per word along n_pad = "
+                         f"{w.n_pad})")
     if w.perm is not None and (tuple(w.perm.shape) != (w.k,)
                                or np.dtype(w.perm.dtype) != np.int32):
         raise ValueError(f"perm: {_describe(w.perm)}, expected int32[{w.k}] (one stored row "

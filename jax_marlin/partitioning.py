@@ -2,9 +2,10 @@
 
 :func:`matmul` is the primitive wrapped in ``custom_partitioning``: under
 ``jax.jit`` with sharded inputs the partitioner runs the kernel on each
-device's shard of ``x``, ``qweight``, ``scales`` and ``bias`` instead of
-gathering them. On one device it is the primitive. :func:`shard_weight` and
-:func:`weight_specs` place a weight so that every shard runs on the kernel.
+device's shard of ``x``, ``qweight``, ``scales``, ``zeros`` and ``bias``
+instead of gathering them. On one device it is the primitive.
+:func:`shard_weight` and :func:`weight_specs` place a weight so that every
+shard runs on the kernel.
 
 Everything here is about the padded (physical) weight ``[k, n]`` = ``[k_pad,
 n_pad]`` that the kernel sees; ``jm.matmul`` pads ``x`` and the bias to it
@@ -59,13 +60,13 @@ is still computed exactly: the partitioner gathers the offending dimension of
 the weight (``k`` first, then ``n``) and emits a ``UserWarning`` saying so.
 It never runs the kernel on a misaligned shard.
 
-Imported weights (``jm.matmul`` handles them around this op): an act-order
-weight's ``perm`` is replicated and the weight runs with ``m`` or ``n``
-sharded only (:func:`shard_weight` and the partitioner refuse ``k``); zero
-points are placed like the scales, and their correction, a plain float32 dot
-in ``jm.matmul``, is partitioned by XLA: with ``k`` sharded it is summed over
-``k``'s axes too (a second all-reduce, which XLA may combine with the
-kernel's).
+Imported weights: zero points (``zeros [k // group_size, n // 8]`` int32, or
+``[0, 0]`` for none) are an operand of the kernel, placed like the scales:
+their rows are the scales' rows and each 64 columns are 8 words, so the rule
+maps them to ``(k_blocks, (n_chunks, n_zero_words))`` (``scale_row`` per
+column). An act-order weight's ``perm`` is replicated and the weight runs
+with ``m`` or ``n`` sharded only (:func:`shard_weight` and the partitioner
+refuse ``k``).
 
 Precision of the row-parallel reduction: the kernel rounds each partial
 product to ``x``'s dtype and the all-reduce adds them in that dtype. Adding
@@ -263,35 +264,46 @@ def _layout_error(k: int, n: int, group_size: int, k_axes, n_axes, mesh_shape) -
 # --- the partitioned op ------------------------------------------------------------
 
 
-def _full_matmul(x, qweight, scales, bias, k, n, group_size, poison_output, act_order):
+def _full_matmul(x, qweight, scales, zeros, bias, k, n, group_size, poison_output, act_order):
     # The unpartitioned computation: what runs on one device, eagerly, and what
     # the partitioner's shapes are derived from. act_order only decides which
     # layouts are refused (an act-order weight is never split along k).
     del act_order
-    return marlin_matmul_p.bind(x, qweight, scales, bias, k=k, n=n, group_size=group_size,
-                                poison_output=poison_output)
+    return marlin_matmul_p.bind(x, qweight, scales, zeros, bias, k=k, n=n,
+                                group_size=group_size, poison_output=poison_output)
 
 
 def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_types,
                    result_types):
-    """The Shardy rule for ``(x [..., k], qweight, scales, bias) -> y [..., n]`` (module doc)."""
+    """The Shardy rule for ``(x [..., k], qweight, scales, zeros, bias) -> y [..., n]`` (module doc)."""
     del poison_output, act_order, mesh, result_types
-    has_bias = _has_bias(operand_types[3])
+    has_zeros = _has_elements(operand_types[3])
+    has_bias = _has_elements(operand_types[4])
     k_rows = CompoundFactor("k_blocks", "k_rows", "k_tile")
     q_rows = CompoundFactor("k_blocks", "k_rows")
     y_cols = CompoundFactor("n_chunks", "n_cols")
     q_cols = CompoundFactor("n_chunks", "n_words")
+    z_cols = CompoundFactor("n_chunks", "n_zero_words")
     sizes = dict(k_rows=(_K_BLOCK_PER_COLUMN if group_size == -1 else group_size) // _ROWS_PER_QROW,
                  k_tile=_ROWS_PER_QROW, n_chunks=n // _COLS_PER_CHUNK,
                  n_cols=_COLS_PER_CHUNK, n_words=_WORDS_PER_CHUNK)
+    # Zero points are placed like the scales: their rows are the scales'
+    # rows, and each chunk of 64 columns is 8 words of them.
+    scale_row = "scale_row" if group_size == -1 else "k_blocks"
     if group_size == -1:
         # One row of scales for all of k: replicated under k sharding.
-        scales = ArrayMapping("scale_row", y_cols)
         sizes["k_blocks"] = k // _K_BLOCK_PER_COLUMN
         replicated = ("k_rows", "k_tile", "n_words", "scale_row", "n_cols")
     else:
-        scales = ArrayMapping("k_blocks", y_cols)
         replicated = ("k_rows", "k_tile", "n_words", "n_cols")
+    scales = ArrayMapping(scale_row, y_cols)
+    if has_zeros:
+        zeros = ArrayMapping(scale_row, z_cols)
+        sizes["n_zero_words"] = _COLS_PER_CHUNK // 8
+        replicated += ("n_zero_words",)
+    else:  # the empty [0, 0] placeholder
+        zeros = ArrayMapping("no_zero_rows", "no_zero_cols")
+        replicated += ("no_zero_rows", "no_zero_cols")
     if has_bias:
         bias = ArrayMapping(y_cols)
     else:  # the empty [0] placeholder: nothing to shard
@@ -301,7 +313,7 @@ def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_typ
     # the order listed above.
     return SdyShardingRule(
         operand_mappings=(ArrayMapping(BATCHING, k_rows), ArrayMapping(q_rows, q_cols), scales,
-                          bias),
+                          zeros, bias),
         result_mappings=(ArrayMapping(BATCHING, y_cols),),
         reduction_factors=("k_blocks",),
         need_replication_factors=replicated,
@@ -350,17 +362,20 @@ def _choose_layout(k, n, group_size, act_order, mesh, x_sharding, q_sharding, x_
     return batch, k_axes, n_axes
 
 
-def _has_bias(bias_type) -> bool:
-    """Whether the bias operand (an aval, a ShapeDtypeStruct or an MLIR type) is not ``[0]``."""
-    shape = bias_type.shape if hasattr(bias_type, "shape") else ir.RankedTensorType(bias_type).shape
+def _has_elements(operand_type) -> bool:
+    """Whether an optional operand (an aval, a ShapeDtypeStruct or an MLIR type) is not the
+    empty placeholder (bias ``[0]``, zeros ``[0, 0]``)."""
+    shape = (operand_type.shape if hasattr(operand_type, "shape")
+             else ir.RankedTensorType(operand_type).shape)
     return shape[0] > 0
 
 
-def _shardings(mesh, group_size, batch, k_axes, n_axes, has_bias):
+def _shardings(mesh, group_size, batch, k_axes, n_axes, has_zeros, has_bias):
     k_entry, n_entry = _entry(k_axes), _entry(n_axes)
     q_spec, s_spec = weight_specs(PartitionSpec(k_entry, n_entry), group_size)
     args = (NamedSharding(mesh, PartitionSpec(*batch, k_entry)),
             NamedSharding(mesh, q_spec), NamedSharding(mesh, s_spec),
+            NamedSharding(mesh, s_spec if has_zeros else PartitionSpec(None, None)),
             NamedSharding(mesh, PartitionSpec(n_entry if has_bias else None)))
     return args, NamedSharding(mesh, PartitionSpec(*batch, n_entry))
 
@@ -368,18 +383,18 @@ def _shardings(mesh, group_size, batch, k_axes, n_axes, has_bias):
 def _partition(k, n, group_size, poison_output, act_order, mesh, arg_shapes, result_shape):
     """Per-shard computation: the kernel on ``[k_local, n_local]``, psum over ``k``'s axes."""
     del result_shape
-    x, qweight, _, bias = arg_shapes
-    has_bias = _has_bias(bias)
+    x, qweight, _, zeros, bias = arg_shapes
+    has_zeros, has_bias = _has_elements(zeros), _has_elements(bias)
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=True)
     k_local = k // _shards(k_axes, mesh.shape)
     n_local = n // _shards(n_axes, mesh.shape)
 
-    def local(x, qweight, scales, bias):
+    def local(x, qweight, scales, zeros, bias):
         # Row parallel: every shard's kernel runs without the bias, which is
         # added once to the all-reduced sum.
         fused_bias = jnp.zeros((0,), x.dtype) if k_axes else bias
-        y = marlin_matmul_p.bind(x, qweight, scales, fused_bias, k=k_local, n=n_local,
+        y = marlin_matmul_p.bind(x, qweight, scales, zeros, fused_bias, k=k_local, n=n_local,
                                  group_size=group_size, poison_output=poison_output)
         if k_axes:
             # Add the float16 partial products (module doc: precision).
@@ -389,7 +404,7 @@ def _partition(k, n, group_size, poison_output, act_order, mesh, arg_shapes, res
         return y
 
     arg_shardings, result_sharding = _shardings(mesh, group_size, batch, k_axes, n_axes,
-                                                has_bias)
+                                                has_zeros, has_bias)
     return mesh, local, result_sharding, arg_shardings
 
 
@@ -398,13 +413,14 @@ def _infer_sharding_from_operands(k, n, group_size, poison_output, act_order, me
     # Only used by the GSPMD partitioner (jax_use_shardy_partitioner=False);
     # _partition warns about the same layout.
     del poison_output, result_shape
-    x, qweight, _, bias = arg_shapes
+    x, qweight, _, zeros, bias = arg_shapes
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
                                            qweight.sharding, x.ndim, warn=False)
-    return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_bias(bias))[1]
+    return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_elements(zeros),
+                      _has_elements(bias))[1]
 
 
-_partitioned = custom_partitioning(_full_matmul, static_argnums=(4, 5, 6, 7, 8))
+_partitioned = custom_partitioning(_full_matmul, static_argnums=(5, 6, 7, 8, 9))
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer_sharding_from_operands,
@@ -415,13 +431,14 @@ _partitioned.def_partition(
 # --- entry ---------------------------------------------------------------------------
 
 
-def matmul(x, qweight, scales, bias, k: int, n: int, group_size: int,
+def matmul(x, qweight, scales, zeros, bias, k: int, n: int, group_size: int,
            poison_output: bool, act_order: bool) -> jax.Array:
     """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
 
-    ``k``, ``n`` are the padded sizes; ``bias`` is ``[n]`` or ``[0]`` (no
-    bias). ``jm.matmul`` calls this after it has checked and padded its
+    ``k``, ``n`` are the padded sizes; ``zeros`` is ``[groups, n // 8]`` int32
+    or ``[0, 0]`` (zero point 8), ``bias`` is ``[n]`` or ``[0]`` (no bias). ``jm.matmul`` calls this after it has checked and padded its
     arguments (and put ``x`` in an act-order weight's row order:
     ``act_order`` then refuses a weight sharded along ``k``).
     """
-    return _partitioned(x, qweight, scales, bias, k, n, group_size, poison_output, act_order)
+    return _partitioned(x, qweight, scales, zeros, bias, k, n, group_size, poison_output,
+                        act_order)

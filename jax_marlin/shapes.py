@@ -124,13 +124,15 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
 
 
 def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
-                   bias_shape, bias_dtype, *, k: int, n: int, group_size: int) -> None:
+                   zeros_shape, zeros_dtype, bias_shape, bias_dtype, *, k: int, n: int,
+                   group_size: int) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 
     Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
     ``scales [k // group_size, n]`` (``[1, n]`` for -1) and ``bias [n]`` or
-    ``[0]`` (no bias), both in ``x``'s dtype. ``k``, ``n`` are the padded
-    sizes the kernel sees.
+    ``[0]`` (no bias), both in ``x``'s dtype, ``zeros [k // group_size, n //
+    8] int32`` (the scales' rows, 8 packed zero points per word) or ``[0, 0]``
+    (zero point 8). ``k``, ``n`` are the padded sizes the kernel sees.
     """
     _check_ints(k=k, n=n, group_size=group_size)
     check_dtypes(x_dtype, scales_dtype, bias_dtype)
@@ -153,5 +155,13 @@ def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape,
     if tuple(scales_shape) != expected_s:
         raise ValueError(f"scales.shape = {tuple(scales_shape)}, expected {expected_s} for "
                          f"k = {k}, n = {n}, group_size = {group_size}")
+    if np.dtype(zeros_dtype) != np.int32:
+        raise TypeError(f"zeros.dtype is {np.dtype(zeros_dtype).name}, expected int32 (8 zero "
+                        f"points a word)")
+    expected_z = (expected_s[0], n // 8)
+    if tuple(zeros_shape) not in (expected_z, (0, 0)):
+        raise ValueError(f"zeros.shape = {tuple(zeros_shape)}, expected {expected_z} (the "
+                         f"scales' {expected_s[0]} rows by n // 8 = {n // 8} words for n = {n}) "
+                         f"or (0, 0) (zero point 8)")
     if tuple(bias_shape) not in ((n,), (0,)):
         raise ValueError(f"bias.shape = {tuple(bias_shape)}, expected ({n},) or (0,) (no bias)")

@@ -1,5 +1,6 @@
 """Runs the Marlin kernel over every tile configuration, both dtypes, every
-group size, a fused bias, padded odd shapes and awkward batch sizes, for
+group size, a fused bias, padded odd shapes and awkward batch sizes, and
+weights with zero points on the decode, Marlin and prefill kernels, for
 compute-sanitizer (benchmarks/gpu_run.sh, stage sanitize).
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
@@ -41,6 +42,30 @@ CASES = [  # (k, n, group_size, dtype, bias, ms)
     (576, 1000, 64, F16, False, [16, 1024 + 33]),
 ]
 
+# Weights with zero points (and act-order on one): (k, n, group_size, dtype,
+# bias, ms), m from the decode kernel's 1..16 (k = 8192 at m = 12: the Marlin
+# kernel's 16-row tiles) through the Marlin kernel's 17..63 to the prefill
+# kernel's >= 64 (partial last m and n tiles).
+ZERO_POINT_CASES = [
+    (4096, 1024, 128, F16, True, [1, 9, 16, 17, 64, 100]),
+    (8192, 512, 64, BF16, False, [1, 12, 33, 65]),
+    (2048, 1024, -1, F16, False, [1, 16, 40, 128]),
+    (1000, 576, 32, F16, True, [1, 17, 100]),
+    (576, 1000, 64, BF16, False, [3, 63, 64, 1024 + 33]),
+    (4100, 130, -1, F16, True, [1, 33, 1000]),
+]
+
+
+def zero_point_weight(k, n, group_size, dtype, act_order):
+    kq, kz, ks, kg = jax.random.split(key, 4)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    q = jax.random.randint(kq, (k, n), 0, 16)
+    zeros = jax.random.randint(kz, (groups, n), 0, 16)
+    scales = jax.random.uniform(ks, (groups, n), minval=0.03, maxval=0.1).astype(dtype)
+    rows = k if group_size == -1 else group_size
+    g_idx = jax.random.permutation(kg, jnp.arange(k) // rows) if act_order else None
+    return jm.pack(q, scales, group_size, zeros=zeros, g_idx=g_idx)
+
 
 @jax.jit
 def run(x, w, bias):
@@ -50,8 +75,11 @@ def run(x, w, bias):
 key = jax.random.key(0)
 bad = 0
 total = 0
-for k, n, group_size, dtype, with_bias, ms in CASES:
-    w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
+for i, (k, n, group_size, dtype, with_bias, ms) in enumerate(CASES + ZERO_POINT_CASES):
+    if i < len(CASES):
+        w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
+    else:  # act-order on the first
+        w = zero_point_weight(k, n, group_size, dtype, act_order=i == len(CASES))
     bias = jax.random.normal(key, (n,), dtype) if with_bias else None
     for m in ms:
         x = jax.random.normal(key, (m, k), dtype)
@@ -59,7 +87,8 @@ for k, n, group_size, dtype, with_bias, ms in CASES:
         finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
         bad += not finite
         total += 1
-        print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name}{' bias' if with_bias else ''} "
+        print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name}{' bias' if with_bias else ''}"
+              f"{' zeros' if w.zeros is not None else ''}{' act-order' if w.perm is not None else ''} "
               f"m={m}: {'ok' if finite else 'NOT FINITE'}", flush=True)
 print(f"{total} cases, {bad} with NaN or inf in the output")
 sys.exit(1 if bad else 0)

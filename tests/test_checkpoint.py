@@ -22,7 +22,7 @@ from checkpoint_writers import (  # noqa: E402
     quantize,
     reference_weight,
 )
-from conftest import random_weight  # noqa: E402
+from conftest import imported_weight, random_weight  # noqa: E402
 from jax_marlin import formats  # noqa: E402
 
 # Three layers: the first whole in the first file, the second in the second,
@@ -275,6 +275,42 @@ def test_load_reads_version_1_and_checks_perm_and_zeros(rng, tmp_path):
     safetensors_numpy.save_file(tensors, str(tmp_path / "bad.safetensors"),
                                 metadata={"jax_marlin.layers": layers, "jax_marlin.version": "2"})
     with pytest.raises(ValueError, match=r"layer 'up': perm: int32\[255\], expected int32\[256\]"):
+        formats.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_load_packs_version_2_zeros(rng, tmp_path, group_size):
+    # Version 2 stored the zero points unpacked (uint8 [groups, n_pad], natural
+    # column order); loading packs them as the kernels read them. A file
+    # written as version 2 did, from a padded odd shape with act-order.
+    w, weight = imported_weight(rng, 1000, 576, group_size, act_order=group_size != -1)
+    q, scales, zeros, g_idx = jm.unpack(w)
+    k_pad, n_pad = w.padded_shape
+    natural = np.full((w.scales.shape[0], n_pad), 8, np.uint8)
+    natural[:zeros.shape[0], :w.n] = np.asarray(zeros)
+    tensors = {"up.qweight": np.asarray(w.qweight), "up.scales": np.asarray(w.scales),
+               "up.zeros": natural}
+    if w.perm is not None:
+        tensors["up.perm"] = np.asarray(w.perm)
+    layers = json.dumps({"up": {"k": w.k, "n": w.n, "group_size": group_size}})
+    safetensors_numpy.save_file(tensors, str(tmp_path / "v2.safetensors"),
+                                metadata={"jax_marlin.layers": layers, "jax_marlin.version": "2"})
+    loaded = formats.load(tmp_path / "v2.safetensors")["up"]
+    for field in ("qweight", "scales", "zeros", "perm"):
+        a, b = getattr(loaded, field), getattr(w, field)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(jm.dequantize(loaded, jnp.float32), np.float64),
+                                  weight)
+    # Version 3 (what save writes now) stores them packed, and reads them back as they are.
+    formats.save(tmp_path / "v3.safetensors", {"up": loaded})
+    again = formats.load(tmp_path / "v3.safetensors")["up"]
+    np.testing.assert_array_equal(np.asarray(again.zeros), np.asarray(w.zeros))
+    tensors["up.zeros"] = natural[:, 1:]
+    safetensors_numpy.save_file(tensors, str(tmp_path / "bad.safetensors"),
+                                metadata={"jax_marlin.layers": layers, "jax_marlin.version": "2"})
+    with pytest.raises(ValueError, match=r"up.zeros: uint8\[\d+, 575\], expected uint8"):
         formats.load(tmp_path / "bad.safetensors")
 
 

@@ -344,7 +344,7 @@ def test_fp16_scale_underflow(rng):
 @pytest.mark.parametrize("k,n", [(256, 128), (1000, 576)])
 def test_zeros_and_act_order_roundtrip(rng, k, n, group_size):
     w, weight = imported_weight(rng, k, n, group_size, act_order=group_size != -1)
-    assert w.zeros.dtype == np.uint8 and w.zeros.shape == w.scales.shape
+    assert w.zeros.dtype == np.int32 and w.zeros.shape == (w.scales.shape[0], w.n_pad // 8)
     assert (w.perm is not None) == (group_size != -1)
     # dequantize: the original row order, the weight's own zero points, exactly.
     np.testing.assert_array_equal(np.asarray(jm.dequantize(w, jnp.float32), np.float64), weight)
@@ -357,9 +357,45 @@ def test_zeros_and_act_order_roundtrip(rng, k, n, group_size):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if w.padded_shape != w.shape:  # padded zero points are 8: padding stays zero
         groups = jm.unpack(w)[1].shape[0]
-        assert (np.asarray(w.zeros)[groups:] == 8).all() and (np.asarray(w.zeros)[:, n:] == 8).all()
+        natural = zeros_as_kernels_read_them(np.asarray(w.zeros))
+        assert (natural[groups:] == 8).all() and (natural[:, n:] == 8).all()
     assert w.nbytes == (w.qweight.nbytes + w.scales.nbytes + w.zeros.nbytes
                         + (0 if w.perm is None else w.perm.nbytes))
+
+
+def zeros_as_kernels_read_them(packed: np.ndarray) -> np.ndarray:
+    """Natural-order zero points ``[g, n]`` from packed ``[g, n // 8]``, as the kernels read them.
+
+    In every kernel the thread that dequantizes column ``i`` (0..7) of tile
+    ``t`` (16 columns, 4 per 64-column chunk) of a chunk, and column ``i + 8``
+    beside it, reads word ``8 chunk + i`` and takes bits ``4 t`` (column
+    ``16 t + i``) and ``16 + 4 t`` (column ``16 t + i + 8``).
+    """
+    g, words = packed.shape
+    packed = packed.view(np.uint32)
+    out = np.zeros((g, 8 * words), np.int64)
+    for chunk in range(words // 8):
+        for i in range(8):
+            word = packed[:, 8 * chunk + i]
+            for t in range(4):
+                out[:, 64 * chunk + 16 * t + i] = (word >> (4 * t)) & 0xF
+                out[:, 64 * chunk + 16 * t + i + 8] = (word >> (16 + 4 * t)) & 0xF
+    return out
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_zeros_layout_is_what_the_kernels_read(rng, group_size):
+    # An independent statement of the packed zero points (the kernels' reads,
+    # above) against pack, on a padded odd shape.
+    k, n = 1000, 576
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    zeros = rng.integers(0, 16, (groups, n))
+    w = jm.pack(rng.integers(0, 16, (k, n)), np.ones((groups, n), np.float16), group_size,
+                zeros=zeros)
+    natural = zeros_as_kernels_read_them(np.asarray(w.zeros))
+    assert natural.shape == (groups, w.n_pad)
+    np.testing.assert_array_equal(natural[:, :n], zeros)
+    assert (natural[:, n:] == 8).all()
 
 
 def test_trivial_zeros_and_g_idx_store_nothing(rng):
@@ -378,7 +414,7 @@ def test_positional_constructor_and_pytree(rng):
     assert len(jax.tree.leaves(plain)) == 2 and len(jax.tree.leaves(w)) == 4
     doubled = jax.jit(lambda w: w)(w)
     np.testing.assert_array_equal(np.asarray(doubled.perm), np.asarray(w.perm))
-    assert "perm=int32[256], zeros=uint8[4, 128]" in repr(w)
+    assert "perm=int32[256], zeros=int32[4, 16]" in repr(w)
 
 
 @pytest.mark.parametrize("make,error,match", [
@@ -404,6 +440,8 @@ def test_inconsistent_perm_or_zeros_raise(rng):
     w, _ = imported_weight(rng, 256, 128, 64)
     with pytest.raises(ValueError, match=r"perm: int32\[255\], expected int32\[256\]"):
         jm.dequantize(dataclasses.replace(w, perm=w.perm[1:]))
-    with pytest.raises(ValueError, match=r"zeros: int32\[4, 128\], expected uint8\[4, 128\]"):
+    with pytest.raises(ValueError, match=r"zeros: uint8\[4, 16\], expected int32\[4, 16\]"):
         jm.matmul(np.ones((1, 256), np.float16),
-                  dataclasses.replace(w, zeros=w.zeros.astype(jnp.int32)))
+                  dataclasses.replace(w, zeros=w.zeros.astype(jnp.uint8)))
+    with pytest.raises(ValueError, match=r"zeros: int32\[4, 128\], expected int32\[4, 16\]"):
+        jm.dequantize(dataclasses.replace(w, zeros=jnp.zeros((4, 128), jnp.int32)))

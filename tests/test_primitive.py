@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
-from conftest import FP16_U, random_weight, rel_err
+from conftest import FP16_U, imported_weight, random_weight, rel_err
 from jax_marlin.ops import _matmul
 
 DTYPES = ["float16", "bfloat16"]
@@ -369,6 +369,104 @@ def test_decode_repeats_are_bit_identical(rng, m):
         np.testing.assert_array_equal(np.asarray(marlin(x, w)), first)
 
 
+# --- zero points on every kernel path ------------------------------------------------
+#
+# Weights with random zero points 0..15 (imported_weight: the float64 weight is
+# built from the integers, not by jax_marlin), on each kernel the launcher
+# picks on sm_90: m = 1..16 the decode kernel (or, where its table says so,
+# the Marlin kernel's 16-row tiles: 8192 x 1024 at m > 8), m = 17..63 the
+# Marlin kernel's 32..64-row tiles, m >= 64 the prefill kernel (a partial last
+# m tile at 100 and 1000; 576 x 1000 has a partial last n tile of 64 columns).
+# Every group size, odd padded shapes, act-order on some; outputs poisoned. The
+# kernels dequantize (q - z) s with one rounding, as (q - 8) s: the symmetric
+# error budget (TOL) holds.
+ZP_LAYERS = [(4096, 4096, 128), (4096, 6144, 32), (8192, 1024, 64), (28672, 1024, -1),
+             (640, 192, 64), (1000, 576, 128), (576, 1000, 64), (4100, 130, -1)]
+ZP_MS = [1, 2, 5, 8, 9, 13, 16, 17, 33, 63, 64, 100, 128, 256, 1000]
+# Every m of the decode kernel on two layers (both halves of its 16-row m tile).
+ZP_DECODE_CASES = [(layer, m) for layer in [(4096, 4096, 128), (640, 192, 64)]
+                   for m in range(1, 17) if m not in ZP_MS]
+# Every tile of the Marlin kernel with every group size, at m = 17 and 33
+# (its 32- and 48-row tiles), and m = 1 on the decode kernel (the Marlin
+# kernel's 16-row tiles elsewhere).
+ZP_TILE_CASES = [((k, n, g), m) for k, n in TILE_SHAPES for g in (-1, 32, 64, 128)
+                 if g == -1 or k % g == 0 for m in (1, 17, 33)]
+# The Marlin kernel's 16-row tiles on sm_90 (m > 8 and k > 4096: not the
+# decode kernel), each of the small-batch table's tiles: 128 x 128 (8192 x
+# 1024 above), 128 x 64, 64 x 256 and 64 x 128 deep x wide.
+ZP_TILE_CASES += [(layer, m) for layer in [(8192, 576, 64), (4160, 1024, 64), (4160, 1152, 32)]
+                  for m in (9, 16)]
+
+
+@functools.lru_cache(maxsize=None)
+def zero_point_weight(k, n, group_size, dtype, act_order):
+    """``(w, weight float64 [k, n])`` with random zero points (and act-order)."""
+    rng = np.random.default_rng(k * 5 + n * 11 + group_size + act_order)
+    return imported_weight(rng, k, n, group_size, zeros=True, act_order=act_order,
+                           dtype=jnp.dtype(dtype))
+
+
+def check_zero_points(rng, layer, m, dtype, *, act_order=False, bias=False):
+    w, weight = zero_point_weight(*layer, dtype, act_order)
+    assert w.zeros is not None and (w.perm is not None) == act_order
+    check_against_float64(rng, w, weight, m, bias=bias)
+
+
+ZP_CASES = [(layer, m) for layer in ZP_LAYERS for m in ZP_MS] + ZP_DECODE_CASES
+
+
+@pytest.mark.parametrize("layer,m", ZP_CASES, ids=[f"{layer_id(l)}-m{m}" for l, m in ZP_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_zero_points_match_float64(rng, dtype, layer, m):
+    check_zero_points(rng, layer, m, dtype, bias=m % 2 == 1)
+
+
+@pytest.mark.parametrize("layer,m", ZP_TILE_CASES,
+                         ids=[f"{layer_id(l)}-m{m}" for l, m in ZP_TILE_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_zero_points_every_tile_match_float64(rng, dtype, layer, m):
+    check_zero_points(rng, layer, m, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16, 40, 128])
+@pytest.mark.parametrize("layer", [(4096, 4096, 128), (1000, 576, 32)], ids=layer_id)
+@pytest.mark.gpu
+def test_zero_points_with_act_order_match_float64(rng, layer, m):
+    check_zero_points(rng, layer, m, "float16", act_order=True, bias=True)
+
+
+@pytest.mark.parametrize("m", [1, 9, 17, 64, 256])
+@pytest.mark.parametrize("layer", [(4096, 4096, 128), (28672, 1024, -1), (576, 1000, 64)],
+                         ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_zero_points_gpu_matches_cpu(rng, dtype, layer, m):
+    # The same packed zero points on both handlers.
+    w, weight = zero_point_weight(*layer, dtype, False)
+    x = activations(rng, dtype, m, w.k)
+    y_gpu = marlin(gpu(x), w)
+    y_cpu = marlin(on("cpu", x), on("cpu", w))
+    ref = np.asarray(x, np.float64) @ weight
+    assert rel_err(y_cpu, ref) <= CPU_TOL[dtype]
+    err = rel_err(y_gpu, np.asarray(y_cpu, np.float64))
+    print(f"zero points gpu-vs-cpu {dtype} {layer_id(layer)} m={m}: {err:.2e}")
+    assert err <= (TOL[dtype] + CPU_TOL[dtype]) / (1 - CPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.gpu
+def test_zero_points_8_are_the_symmetric_kernel(rng, m):
+    # Zero points that are all 8, stored (pack drops them, so build the weight
+    # by hand): the zero-point instances must give the symmetric ones' bits.
+    w = weight(4096, 4096, 128, "float16")
+    z8 = jnp.full((w.scales.shape[0], w.n_pad // 8), 0x88888888 - (1 << 32), jnp.int32)
+    w8 = jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, w.group_size, zeros=gpu(z8))
+    x = gpu(activations(rng, "float16", m, 4096))
+    np.testing.assert_array_equal(np.asarray(marlin(x, w8)), np.asarray(marlin(x, w)))
+
+
 def test_every_tile_is_tested():
     # LAYERS and TILE_SHAPES reach every tile the launcher has, for small and
     # large batches (the tile choice is the C++ launcher's own).
@@ -385,6 +483,7 @@ def test_handler_rechecks_buffers(rng):
     w = jm.quantize(random_weight(rng, 1024, 512), group_size=128)
     x = jnp.asarray(activations(rng, "float16", 4, 1024))
     no_bias = jnp.zeros((0,), jnp.float16)
+    no_zeros = jnp.zeros((0, 0), jnp.int32)
     ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512, 1024)
     assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
     assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
@@ -396,18 +495,22 @@ def test_handler_rechecks_buffers(rng):
         f = jax.ffi.ffi_call("jax_marlin_matmul", results)
         return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
 
-    y, _, _ = call(x, w.qweight, w.scales, no_bias)  # the consistent call runs
+    y, _, _ = call(x, w.qweight, w.scales, no_zeros, no_bias)  # the consistent call runs
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
     cases = [
-        (dict(args=(x, w.qweight, w.scales[:2], no_bias)), "scales must have shape"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros(7, jnp.float16))), "bias must have shape"),
-        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_bias)), "one dtype"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
-        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), workspace=ws_size - 1), "workspace holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), scratch=rs_size - 1),
+        (dict(args=(x, w.qweight, w.scales[:2], no_zeros, no_bias)), "scales must have shape"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, jnp.zeros(7, jnp.float16))), "bias must have shape"),
+        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_zeros, no_bias)), "one dtype"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
+        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_zeros, no_bias)), "float16 or bfloat16"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), workspace=ws_size - 1), "workspace holds"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), scratch=rs_size - 1),
          "reduce_scratch holds"),
-        (dict(args=(x, w.qweight, w.scales, no_bias), group_size=96), "group_size = 96 is not supported"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), group_size=96), "group_size = 96 is not supported"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((7, 64), jnp.int32), no_bias)),
+         r"zeros must have shape \[8, 64\] or \[0, 0\]"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((8, 63), jnp.int32), no_bias)),
+         r"zeros must have shape \[8, 64\] or \[0, 0\]"),
     ]
     for kwargs, match in cases:
         with pytest.raises(Exception, match=match):

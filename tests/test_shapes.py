@@ -68,11 +68,24 @@ def test_check_layer_names_the_dimension(k, n, group_size, match):
 
 
 def test_check_operands_limits_m():
-    shapes.check_operands((4, 128), "float16", (8, 256), "int32", (1, 128), "float16", (0,),
-                          "float16", k=128, n=128, group_size=128)
+    shapes.check_operands((4, 128), "float16", (8, 256), "int32", (1, 128), "float16", (0, 0),
+                          "int32", (0,), "float16", k=128, n=128, group_size=128)
     with pytest.raises(ValueError, match=r"m = 2147483648 rows of x are too many"):
         shapes.check_operands((2**31, 128), "float16", (8, 256), "int32", (1, 128), "float16",
-                              (0,), "float16", k=128, n=128, group_size=128)
+                              (0, 0), "int32", (0,), "float16", k=128, n=128, group_size=128)
+
+
+def test_check_operands_zeros():
+    # Zero points: the scales' rows by n // 8 words of int32, or [0, 0] (none).
+    args = ((4, 256), "float16", (16, 256), "int32", (2, 128), "float16")
+    shapes.check_operands(*args, (2, 16), "int32", (0,), "float16", k=256, n=128, group_size=128)
+    with pytest.raises(ValueError, match=r"zeros.shape = \(2, 128\), expected \(2, 16\) \(the "
+                                         r"scales' 2 rows by n // 8 = 16 words for n = 128\)"):
+        shapes.check_operands(*args, (2, 128), "int32", (0,), "float16", k=256, n=128,
+                              group_size=128)
+    with pytest.raises(TypeError, match=r"zeros.dtype is uint8, expected int32"):
+        shapes.check_operands(*args, (2, 16), "uint8", (0,), "float16", k=256, n=128,
+                              group_size=128)
 
 
 # --- padding: any [k, n] ------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import jax_marlin as jm
 from jax_marlin.shapes import num_groups
 
-#: The zero point of the Marlin kernel: it computes ``(q - 8) * scale``.
+#: The zero point of a symmetric weight: ``(q - 8) * scale``.
 ZERO_POINT = 8
 #: The group sizes the kernel takes, largest first.
 _KERNEL_GROUPS = tuple(sorted((g for g in jm.GROUP_SIZES if g > 0), reverse=True))
@@ -83,8 +83,8 @@ def to_marlin(q: np.ndarray, scales, group_size: int, *, zeros=None, g_idx=None,
       what: the format, for error messages.
 
     The weight is ``(q - zeros[g_idx]) * scales[g_idx]`` row by row, exactly:
-    zero points other than 8 are stored with the weight (``jm.matmul`` adds
-    their correction), and act-order rows (``g_idx`` not ``row //
+    zero points other than 8 are stored with the weight (the kernels
+    dequantize with them), and act-order rows (``g_idx`` not ``row //
     group_size``) are stored sorted by group with their permutation.
     """
     k = q.shape[0]

@@ -40,7 +40,7 @@ def from_awq(qweight, qzeros, scales, *, group_size: int) -> MarlinWeight:
       group_size: the checkpoint's ``q_group_size`` (``group_size``).
 
     AWQ's zero points are asymmetric, fitted per group; they are kept in
-    ``w.zeros`` (``jm.matmul`` adds their correction to the kernel's product),
+    ``w.zeros`` (the kernels dequantize with them),
     so ``jm.dequantize(w)`` is AWQ's weight exactly. ``ValueError`` for
     shapes that do not match.
     """

@@ -3,11 +3,13 @@
 The file holds, for each layer ``<name>``, the packed arrays as they are
 (``<name>.qweight`` int32 ``[..., k_pad / 16, 2 n_pad]`` and ``<name>.scales``
 float16 or bfloat16 ``[..., groups, n_pad]``; for weights that have them
-``<name>.zeros`` uint8 ``[..., groups, n_pad]`` and ``<name>.perm`` int32
+``<name>.zeros`` int32 ``[..., groups, n_pad / 8]`` and ``<name>.perm`` int32
 ``[..., k]``), and in the safetensors metadata
 ``jax_marlin.layers``, a JSON object ``{name: {"k", "n", "group_size"}}`` of
 the static fields, with ``jax_marlin.version``. Loading needs no conversion:
-the arrays are the kernel's.
+the arrays are the kernel's. (Version 2 files stored the zero points
+unpacked, uint8 ``[..., groups, n_pad]`` in natural column order; they are
+packed on load.)
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import numpy as np
 
 import jax_marlin as jm
 from jax_marlin.formats._io import safetensors
-from jax_marlin.packing import _check_weight
+from jax_marlin.packing import _check_weight, _pack_zeros
 
 __all__ = ["load", "save"]
 
-# Version 2 added zeros and perm; a version 1 file (qweight and scales only) still loads.
-_VERSION = "2"
-_READS = ("1", _VERSION)
+# Version 2 added zeros (uint8, natural order) and perm, version 3 stores the
+# zero points packed as the kernels read them; versions 1 (qweight and scales
+# only) and 2 still load.
+_VERSION = "3"
+_READS = ("1", "2", _VERSION)
 _OPTIONAL = ("perm", "zeros")
 _LAYERS = "jax_marlin.layers"
 _VERSION_KEY = "jax_marlin.version"
@@ -79,6 +83,8 @@ def load(path) -> dict[str, jm.MarlinWeight]:
             _check(name, qweight, scales, **static)
             optional = {field: jnp.asarray(f.get_tensor(f"{name}.{field}"))
                         for field in _OPTIONAL if f"{name}.{field}" in keys}
+            if metadata[_VERSION_KEY] == "2" and "zeros" in optional:
+                optional["zeros"] = _pack_version_2_zeros(name, optional["zeros"], scales.shape)
             w = jm.MarlinWeight(jnp.asarray(qweight), jnp.asarray(scales), **static, **optional)
             if qweight.ndim == 2:  # a single weight: the same checks as every jm function's
                 try:
@@ -100,3 +106,12 @@ def _check(name: str, qweight: np.ndarray, scales: np.ndarray, k: int, n: int,
     if scales.shape != expected:
         raise ValueError(f"{name}.scales.shape = {list(scales.shape)}, expected {list(expected)} "
                          f"for [k, n] = [{k}, {n}], group_size = {group_size}")
+
+
+def _pack_version_2_zeros(name: str, zeros, scales_shape) -> jnp.ndarray:
+    """Version 2's uint8 ``[..., groups, n_pad]`` zero points (natural order) -> int32 packed."""
+    if zeros.dtype != jnp.uint8 or zeros.shape != tuple(scales_shape):
+        raise ValueError(f"{name}.zeros: {zeros.dtype}{list(zeros.shape)}, expected uint8"
+                         f"{list(scales_shape)} (the scales' shape) in a version 2 file")
+    flat = zeros.reshape(-1, zeros.shape[-1])
+    return _pack_zeros(flat).reshape(*zeros.shape[:-1], zeros.shape[-1] // 8)
