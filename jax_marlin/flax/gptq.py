@@ -79,6 +79,7 @@ def gptq_blocks(
     group_size: int = 128,
     act_order: bool = False,
     damp: float = 0.01,
+    min_clip: float = 1.0,
     batch_size: int = 8,
     filter: Callable[[tuple[Any, ...], nnx.Linear], bool] | None = None,
     progress: bool | None = None,
@@ -90,7 +91,7 @@ def gptq_blocks(
       inputs: ``[batch, ...]``, the calibration input of the first block.
       run_block: ``run_block(block, x) -> y``, one block's forward pass; ``y``
         is the next block's input (same shape as ``x``).
-      group_size, act_order, damp: as :func:`jax_marlin.gptq.quantize`.
+      group_size, act_order, damp, min_clip: as :func:`jax_marlin.gptq.quantize`.
       batch_size: calibration sequences per forward pass (bounds memory).
       filter: ``filter(path, linear) -> bool`` picks the projections to
         quantize (``path`` inside the block); ``None`` picks all. Subclasses
@@ -131,7 +132,7 @@ def gptq_blocks(
                 layer = MarlinLinear.from_linear(linear, group_size=group_size)
                 layer.weight.set_value(gptq.quantize(
                     linear.kernel[...], recorder.h, group_size=group_size, act_order=act_order,
-                    damp=damp, dtype=layer.weight.get_value().dtype))
+                    damp=damp, min_clip=min_clip, dtype=layer.weight.get_value().dtype))
                 _replace(block, path, layer)
             x = run_all(block, x)
             if bar is not None:
