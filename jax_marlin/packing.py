@@ -232,12 +232,11 @@ def _unpermute_scales(scales: jax.Array, group_size: int) -> jax.Array:
 # (jj = 0..7) of a 64-column chunk with one 16-byte load (stored positions
 # 8 i .. 8 i + 7, above); the zero points of the same columns are one int32,
 # word i of the chunk's 8 (word 8 chunk + i of the row; the same for every
-# group size). Its
-# nibble p holds column i + 8 jj with jj = [0, 2, 4, 6, 1, 3, 5, 7][p], the
-# weight fragment's interleave: tile t of the chunk (columns 16 t + i and
-# 16 t + i + 8, jj = 2 t, 2 t + 1) finds its two zero points at bits 4 t and
-# 16 + 4 t, so one shift and one mask put them in the two halves of a
-# register. With column 16 t + 8 h + i of the chunk as (t, h, i), nibble
+# group size). Its nibble p holds column i + 8 jj with
+# jj = [0, 2, 4, 6, 1, 3, 5, 7][p], the weight fragment's interleave: tile t
+# of the chunk (columns 16 t + i and 16 t + i + 8, jj = 2 t, 2 t + 1) finds
+# its two zero points at bits 4 t and 16 + 4 t, so one shift and one mask put
+# them in the two halves of a register. With column 16 t + 8 h + i of the chunk as (t, h, i), nibble
 # 4 h + t of word i is the plain transpose (t, h, i) -> (i, h, t).
 
 
