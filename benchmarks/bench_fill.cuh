@@ -1,7 +1,8 @@
 // Deterministic pseudo-random device data for the kernel timers
 // (kernel_bench.cu, decode_bench.cu, prefill_bench.cu): 32 random bits per
 // word (packed weights: every int4 pattern is a valid weight), or float16 /
-// bfloat16 values in [lo, hi) (activations, scales, biases).
+// bfloat16 values in [lo, hi) (activations, scales, biases); and the host's
+// reading of such a value back, for the float64 checks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace bench {
 
@@ -36,6 +38,19 @@ __global__ void fill_float(uint16_t *p, size_t n, uint32_t seed, float lo, float
       p[i] = *reinterpret_cast<uint16_t *>(&h);
     }
   }
+}
+
+// The float16 or bfloat16 value with these bits, on the host.
+inline float to_float(uint16_t bits, bool bf16) {
+  if (bf16) {
+    const uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw r;
+  r.x = bits;
+  return __half2float(__half(r));
 }
 
 }  // namespace bench

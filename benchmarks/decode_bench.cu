@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -63,17 +62,7 @@ __global__ void next_input(const uint16_t *y, uint16_t *x, int64_t y_count, int6
     x[i] = (y[i % y_count] & 0x83ffu) | 0x3800u;  // sign and mantissa bits, magnitude in [0.5, 1)
 }
 
-float to_float(uint16_t v) {
-  if (g_bf16) {
-    uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  half h;
-  std::memcpy(&h, &v, 2);
-  return __half2float(h);
-}
+float to_float(uint16_t v) { return bench::to_float(v, g_bf16); }
 
 struct Case {
   int m, k, n;
@@ -299,18 +288,16 @@ int main(int argc, char **argv) {
       chain_us = time_calls(step, reps, stream) - other;
       // The same chain captured once into a graph of 64 steps (what XLA's
       // command buffers do), replayed.
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-      for (int i = 0; i < 64; ++i) step(i);
-      check(cudaStreamEndCapture(stream, &graph), "end capture");
-      check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-      cudaGraph_t graph_alone;
-      cudaGraphExec_t exec_alone;
-      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-      for (int i = 0; i < 64; ++i) alone(i);
-      check(cudaStreamEndCapture(stream, &graph_alone), "end capture");
-      check(cudaGraphInstantiate(&exec_alone, graph_alone, 0), "instantiate");
+      auto capture64 = [&](auto &&call, cudaGraph_t *graph, cudaGraphExec_t *exec) {
+        check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+        for (int i = 0; i < 64; ++i) call(i);
+        check(cudaStreamEndCapture(stream, graph), "end capture");
+        check(cudaGraphInstantiate(exec, *graph, 0), "instantiate");
+      };
+      cudaGraph_t graph, graph_alone;
+      cudaGraphExec_t exec, exec_alone;
+      capture64(step, &graph, &exec);
+      capture64(alone, &graph_alone, &exec_alone);
       const float g_all = time_calls([&](int) { check(cudaGraphLaunch(exec, stream), "graph"); }, 10, stream);
       const float g_other = time_calls([&](int) { check(cudaGraphLaunch(exec_alone, stream), "graph"); }, 10, stream);
       graph_us = (g_all - g_other) / 64;

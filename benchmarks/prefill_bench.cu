@@ -43,7 +43,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -83,17 +82,7 @@ void finish(cudaStream_t stream, const char *what) {
 
 // --- host numerics -------------------------------------------------------------
 
-float to_float(uint16_t bits, bool bf16) {
-  if (bf16) {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw r;
-  r.x = bits;
-  return __half2float(__half(r));
-}
+using bench::to_float;
 
 uint16_t from_float(float f, bool bf16) {
   if (bf16) {
