@@ -138,16 +138,55 @@ std::string launch_tile(const PrefillConfig &config, int64_t group_size, const C
   }
 }
 
+// The fastest tile and split of the Llama-2/3 70B and 8B projections on an
+// H200 (132 SMs) at m = 64, 128, ..., 4096, measured with every configuration
+// (`prefill_bench --sweep`, benchmarks/results/h200-2026-12-03-prefill-sweep.txt):
+// the configuration with the least geometric-mean loss over fp16 g128, bf16
+// g128 and fp16 g-1 (at most 1.13x the best of one of them, mostly 1.0x).
+struct MeasuredPrefill {
+  int k, n;
+  PrefillConfig by_m[7];  // m = 64, 128, 256, 512, 1024, 2048, 4096
+};
+constexpr MeasuredPrefill kMeasuredPrefill[] = {
+    {8192, 10240, {{64, 256, 3}, {128, 256, 3}, {128, 256, 3}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+    {8192, 8192, {{64, 256, 4}, {128, 256, 4}, {256, 128, 2}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}}},
+    {8192, 57344, {{64, 256, 1}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}, {128, 256, 1}, {128, 256, 1}}},
+    {28672, 8192, {{64, 256, 4}, {128, 256, 4}, {256, 128, 2}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}}},
+    {4096, 6144, {{64, 256, 5}, {128, 128, 2}, {128, 128, 1}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+    {4096, 4096, {{64, 128, 4}, {128, 128, 4}, {128, 128, 2}, {128, 128, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+    {4096, 28672, {{64, 256, 1}, {128, 256, 1}, {256, 128, 1}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+    {14336, 4096, {{64, 256, 8}, {128, 128, 4}, {256, 128, 4}, {256, 128, 2}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+};
+constexpr int kMeasuredPrefillSms = 132;
+
+// The measured configuration of the nearest m (in log scale) for a layer of
+// the table, if the rules allow it at this m; an invalid config otherwise.
+PrefillConfig measured_prefill(int64_t m, int64_t n, int64_t k) {
+  for (const MeasuredPrefill &layer : kMeasuredPrefill) {
+    if (layer.k != k || layer.n != n) continue;
+    int bucket = 0;  // m = 64 << bucket
+    while (bucket < 6 && m * m > (int64_t(64) << bucket) * (int64_t(128) << bucket)) ++bucket;
+    const PrefillConfig &c = layer.by_m[bucket];
+    if (c.splits <= prefill_max_splits(m, n, k, c.block_m, c.block_n)) return c;
+  }
+  return {0, 0, 0};
+}
+
 }  // namespace
 
-// Relative cost (in SM cycles) of a launch: waves of thread blocks times the
-// cost of one block, k stages times the cost of a stage plus the pipeline's
-// fill and epilogue (and the fp32 partial sums of a split). A stage costs the
-// most of its tensor-core time (the two warpgroups' wgmmas: 4 block_m cycles
-// per 128 columns), its L2 traffic (A tile and weights, at about 28 bytes per
-// cycle and SM) and its HBM traffic (weights, about 20 bytes per cycle and
-// SM), plus 40 cycles of overhead. A start for a table measured per shape.
+// Elsewhere, a cost model: the relative cost (in SM cycles) of a launch is the
+// waves of thread blocks times the cost of one block, k stages times the cost
+// of a stage plus the pipeline's fill and epilogue (and the fp32 partial sums
+// of a split). A stage costs the most of its tensor-core time (the two
+// warpgroups' wgmmas: 4 block_m cycles per 128 columns), its L2 traffic (A
+// tile and weights, at about 28 bytes per cycle and SM) and its HBM traffic
+// (weights, about 20 bytes per cycle and SM), plus 40 cycles of overhead. It
+// picked within 1.1x of the best on the table's layers at m >= 2048 but up to
+// 1.5x off on the 4096-deep ones at m = 128-256 and on 8192 x 10240 at
+// m = 512-1024 (it prefers 128 x 256 tiles where 256 x 128 or 128 x 128 win).
 PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms) {
+  if (sms == kMeasuredPrefillSms)
+    if (const PrefillConfig c = measured_prefill(m, n, k); c.splits > 0) return c;
   const int64_t k_tiles = k / kPrefillBlockK;
   PrefillConfig best = kPrefillTiles[0];
   double best_cost = -1;

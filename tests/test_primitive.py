@@ -369,6 +369,50 @@ def test_decode_repeats_are_bit_identical(rng, m):
         np.testing.assert_array_equal(np.asarray(marlin(x, w)), first)
 
 
+# The prefill kernel's measured table (ffi/prefill_sm90.cu): each of its layers
+# at m of every bucket and between buckets (a partial last m tile, the nearest
+# bucket's tile and k split), against float64 on 64 rows x 512 columns of the
+# output, the whole poisoned output checked for unwritten elements.
+PREFILL_TABLE_LAYERS = [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192),
+                        (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+PREFILL_TABLE_MS = [64, 100, 128, 200, 256, 384, 512, 700, 1024, 1500, 2048, 4096]
+PREFILL_TABLE_CASES = [(layer, m, "float16") for layer in PREFILL_TABLE_LAYERS
+                       for m in PREFILL_TABLE_MS]
+PREFILL_TABLE_CASES += [((4096, 4096), m, "bfloat16") for m in PREFILL_TABLE_MS]
+
+
+@functools.lru_cache(maxsize=2)
+def table_weight(k, n, dtype):
+    """A g128 weight quantized on the GPU from random normal values."""
+    return jm.quantize(jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32),
+                       group_size=128, dtype=jnp.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=2)
+def table_columns(k, n, dtype, seed=0):
+    """512 random columns of the layer and their float64 dequantized weight [k, 512]."""
+    cols = np.sort(np.random.default_rng(seed).choice(n, 512, replace=False))
+    w = jax.jit(lambda w: jm.dequantize(w, jnp.float32)[:, cols])(table_weight(k, n, dtype))
+    return cols, np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("layer,m,dtype", PREFILL_TABLE_CASES,
+                         ids=[f"{l[0]}x{l[1]}-m{m}-{dt}" for l, m, dt in PREFILL_TABLE_CASES])
+@pytest.mark.gpu
+def test_prefill_table_layers_match_float64(rng, layer, m, dtype):
+    k, n = layer
+    w = table_weight(k, n, dtype)
+    cols, w64 = table_columns(k, n, dtype)
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.dtype(dtype))
+    y = marlin(x, w)
+    assert bool(jnp.isfinite(y.astype(jnp.float32)).all()), "unwritten (NaN) outputs"
+    rows = np.sort(rng.choice(m, 64, replace=False))
+    ref = np.asarray(x[rows], np.float64) @ w64
+    err = rel_err(np.asarray(y[rows][:, cols]), ref)
+    print(f"gpu rel err {dtype} k={k} n={n} m={m}: {err:.2e}")
+    assert err <= TOL[dtype]
+
+
 # --- zero points on every kernel path ------------------------------------------------
 #
 # Weights with random zero points 0..15 (imported_weight: the float64 weight is
