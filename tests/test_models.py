@@ -405,3 +405,20 @@ def test_smollm2_float_model_is_sane():
     prompt = jnp.asarray([tokenizer.encode("The capital of France is").ids])
     out = Decoder(model, batch=1, max_len=prompt.shape[1] + 4).generate(prompt, 4)
     assert "Paris" in tokenizer.decode(np.asarray(out[0]).tolist())
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_smollm2_fused_4bit_logits_are_bit_identical(group_size):
+    # SmolLM2's projections are stored padded (k = 576; q 576 x 576 and k, v
+    # 576 x 192 each in its own padded shape), the joined ones in others.
+    tokenizer = gguf_models.load_tokenizer(SMOLLM2)
+    model = quantize_model(gguf_models.load_llama(SMOLLM2), group_size=group_size,
+                           progress=False)
+    tokens = jnp.asarray([tokenizer.encode("The capital of France is").ids])
+    want = logits(model, tokens)
+    fuse_projections(model)
+    qkv = model.layers[0].attn.qkv.weight.get_value()
+    assert qkv.shape == (576, 960) and qkv.padded_shape == jm.padded_shape(576, 960, group_size)
+    np.testing.assert_array_equal(logits(model, tokens), want)
