@@ -95,7 +95,8 @@ def test_fused_projections_give_the_same_logits(config):
     attn, mlp = fused.layers[0].attn, fused.layers[0].mlp
     assert attn.q is None and attn.k is None and attn.v is None and mlp.gate is None
     hd = config.head_dim
-    assert attn.qkv.kernel.shape == (config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * hd)
+    qkv_width = (config.num_heads + 2 * config.num_kv_heads) * hd
+    assert attn.qkv.kernel.shape == (config.hidden_size, qkv_width)
     assert mlp.gate_up.kernel.shape == (config.hidden_size, 2 * config.intermediate_size)
     # float32 dots of another width: the same products, summed in another order at most
     assert rel(logits(fused, tokens), want) < 1e-6

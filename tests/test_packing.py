@@ -543,8 +543,10 @@ def test_concatenate_errors(rng):
     w = jm.quantize(random_weight(rng, 256, 128), 64)
     cases = [
         ([], "at least one MarlinWeight"),
-        ([w, jm.quantize(random_weight(rng, 320, 128), 64)], r"the weights' k differ \(\[0\] 256, \[1\] 320\)"),
-        ([w, jm.quantize(random_weight(rng, 256, 128), 128)], r"group_size differ \(\[0\] 64, \[1\] 128\)"),
+        ([w, jm.quantize(random_weight(rng, 320, 128), 64)],
+         r"the weights' k differ \(\[0\] 256, \[1\] 320\)"),
+        ([w, jm.quantize(random_weight(rng, 256, 128), 128)],
+         r"group_size differ \(\[0\] 64, \[1\] 128\)"),
         ([w, jm.quantize(random_weight(rng, 256, 128), 64, dtype=jnp.bfloat16)],
          r"dtype differ \(\[0\] float16, \[1\] bfloat16\)"),
         ([w, concat_parts(rng, 256, (128,), 64, zeros=True)[0]],
@@ -552,7 +554,8 @@ def test_concatenate_errors(rng):
         ([w, concat_parts(rng, 256, (128,), 64, act_order=True)[0]],
          r"perm \(act-order\) is set on some weights but not all.*\[1\] int32\[256\]"),
         (concat_parts(rng, 256, (128,), 64, act_order=True)
-         + concat_parts(rng, 256, (64,), 64, act_order=True), r"perm \(act-order row orders\) differ"),
+         + concat_parts(rng, 256, (64,), 64, act_order=True),
+         r"perm \(act-order row orders\) differ"),
     ]
     for weights, match in cases:
         with pytest.raises(ValueError, match=match):

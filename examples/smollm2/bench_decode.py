@@ -86,7 +86,10 @@ class XlaInt4Linear(nnx.Module):
 
 
 def to_xla_int4(model, group_size):
-    """Replaces the block projections of a :class:`Llama` (fused or not) by :class:`XlaInt4Linear`, in place."""
+    """Replaces the block projections (fused or not) of a :class:`Llama` by :class:`XlaInt4Linear`.
+
+    In place; returns ``model``.
+    """
     for block in model.layers:
         for module in (block.attn, block.mlp):
             for name, layer in list(vars(module).items()):
@@ -96,7 +99,7 @@ def to_xla_int4(model, group_size):
 
 
 def prepare(name, model, group_size, fuse):
-    """``model`` (float16) as the variant ``name``: float16, xla_int4_g*, marlin_g*; fused or not."""
+    """Makes the float16 ``model`` the variant ``name`` (float16, xla_int4_g*, marlin_g*)."""
     if name.startswith("marlin"):
         quantize_model(model, group_size=group_size, progress=False,
                        filter=lambda path, _: path[0] == "layers")

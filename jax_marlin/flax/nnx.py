@@ -32,11 +32,11 @@ from jax_marlin.partitioning import weight_spec_tree
 
 __all__ = [
     "MarlinLinear",
-    "concatenate_linears",
     "QuantizeSummary",
     "QuantizedLayer",
     "QuantizedWeight",
     "SkippedLayer",
+    "concatenate_linears",
     "get_partition_spec",
     "quantize_model",
 ]

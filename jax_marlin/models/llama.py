@@ -113,13 +113,13 @@ class Attention(nnx.Module):
         self.config = config
 
     def fuse(self):
-        """Replaces ``q``, ``k``, ``v`` by one ``qkv`` layer ``[hidden, (heads + 2 kv_heads) head_dim]``."""
+        """Replaces ``q``, ``k``, ``v`` by one layer ``qkv [hidden, (heads + 2 kv_heads) hd]``."""
         if self.qkv is None:
             self.qkv = concatenate_linears([self.q, self.k, self.v])
             self.q = self.k = self.v = None
 
     def _project(self, x):
-        """``x [b, s, hidden]`` -> queries ``[b, s, heads head_dim]``, keys and values ``[b, s, kv_heads head_dim]``."""
+        """``x [b, s, hidden]`` -> ``q [b, s, heads hd]``, ``k``, ``v [b, s, kv_heads hd]``."""
         if self.qkv is None:
             return self.q(x), self.k(x), self.v(x)
         c = self.config
