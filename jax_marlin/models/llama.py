@@ -250,14 +250,17 @@ def fuse_projections(model: Llama) -> Llama:
     """Joins each block's q, k, v projections into one ``qkv`` layer and gate, up into ``gate_up``.
 
     In place; returns ``model``. A decode step then runs 4 matmuls per block
-    (qkv, o, gate_up, down) instead of 7, each reading the same weight bytes:
-    at batch 1 every matmul also costs a fixed few microseconds on the GPU.
-    The layers must be all float ``nnx.Linear`` or all ``MarlinLinear`` within
-    each group (``jax_marlin.flax.concatenate_linears``; 4-bit weights are
-    joined exactly by ``jax_marlin.concatenate``). Fuse after quantizing:
+    (qkv, o, gate_up, down) instead of 7 over the same weight bytes; at batch
+    1 each matmul also costs a few fixed microseconds on the GPU, so a block
+    saves three of those. The layers of each group must be all float
+    ``nnx.Linear`` or all ``MarlinLinear``
+    (``jax_marlin.flax.concatenate_linears``; 4-bit weights are joined
+    exactly by ``jax_marlin.concatenate``). Fuse after quantizing:
     ``quantize_model``, ``gptq_blocks`` and ``load_quantized`` work on the
-    separate projections (a loaded checkpoint names them). Fusing a fused
-    block does nothing.
+    separate projections (a loaded checkpoint names them). The model's state
+    then holds ``qkv`` and ``gate_up`` in place of the parts, so a checkpoint
+    of a fused model restores into a fused one. Fusing a fused block does
+    nothing.
     """
     for block in model.layers:
         block.attn.fuse()
