@@ -3,12 +3,13 @@
     import jax_marlin as jm
     w = jm.quantize(weight, group_size=128)   # weight [k, n] float -> 4 bits, float16 scales
     y = jm.matmul(x, w, bias=b)               # x [..., k] float16 -> [..., n] float16
+    wqkv = jm.concatenate([wq, wk, wv])       # [k, n_i] -> [k, sum n_i]: one call for three
 """
 
 from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
 from jax_marlin.ops import matmul
-from jax_marlin.packing import MarlinWeight, dequantize, pack, quantize, unpack
+from jax_marlin.packing import MarlinWeight, concatenate, dequantize, pack, quantize, unpack
 from jax_marlin.partitioning import shard_weight, weight_spec_tree, weight_specs
 from jax_marlin.shapes import GROUP_SIZES, padded_shape
 
@@ -18,6 +19,7 @@ __all__ = [
     "GROUP_SIZES",
     "HAS_CUDA",
     "MarlinWeight",
+    "concatenate",
     "dequantize",
     "matmul",
     "pack",

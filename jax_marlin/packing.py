@@ -63,10 +63,13 @@ import numpy as np
 from jax_marlin import shapes
 from jax_marlin._compat import Tracer
 
-__all__ = ["MarlinWeight", "quantize", "pack", "unpack", "dequantize"]
+__all__ = ["MarlinWeight", "concatenate", "quantize", "pack", "unpack", "dequantize"]
 
 _ZERO_POINT = 8
 _MAXQ = 15
+# A packed word of eight zero points (qweight or zeros): the same word in any
+# nibble order, so padding can be written in the packed layout directly.
+_PACKED_ZERO_POINTS = int(np.array(0x88888888, np.uint32).view(np.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -522,6 +525,123 @@ def _dequantize(qweight, scales, perm, zeros, k, n, group_size, dtype):
     if perm is not None:  # stored row i is row perm[i]
         full = jnp.zeros_like(full).at[perm].set(full)
     return full.astype(dtype)
+
+
+def concatenate(weights) -> MarlinWeight:
+    """Joins ``[k, n_i]`` weights along n into one ``[k, sum n_i]`` weight, exactly.
+
+    ``jm.matmul(x, concatenate([w1, w2]))`` equals
+    ``jnp.concatenate([jm.matmul(x, w1), jm.matmul(x, w2)], axis=-1)``: one
+    kernel call in place of several that share ``x`` (the q, k and v
+    projections of attention, say). The stored 4-bit values, scales and zero
+    points are moved, never rounded again, so the result is what
+    :func:`pack` gives for the parts' unpacked arrays side by side, stored
+    as ``padded_shape(k, sum n_i, group_size)``.
+
+    Args:
+      weights: a sequence of :class:`MarlinWeight`, ``[k, n_i]`` each, with
+        the same ``k``, ``group_size`` and scale ``dtype``, equal act-order
+        ``perm`` (the same row order: all ``None`` or equal arrays, which
+        must be concrete), and zero points on all or none.
+
+    Returns:
+      A :class:`MarlinWeight` ``[k, sum n_i]``.
+
+    The packed layout keeps each run of 64 columns to itself (the weight's
+    tiles, the scales' and zero points' permutations), so where every part
+    but the last has ``n_i`` a multiple of 64 the packed arrays are cut to
+    their columns and joined as they are (rows of k padding cut or added,
+    which hold zeros); otherwise the parts are unpacked, joined and packed
+    again.
+    """
+    weights = list(weights)
+    if not weights:
+        raise ValueError("concatenate needs at least one MarlinWeight")
+    for w in weights:
+        _check_weight(w)
+    first = weights[0]
+    for field in ("k", "group_size", "dtype"):
+        values = [getattr(w, field) for w in weights]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"concatenate: the weights' {field} differ ({_listing(values)}); "
+                             f"weights joined along n share k, group_size and dtype")
+    has_zeros = [w.zeros is not None for w in weights]
+    if any(has_zeros) and not all(has_zeros):
+        raise ValueError(f"concatenate: zeros (zero points) on some weights but not all "
+                         f"(present: {_listing(has_zeros)}); join all asymmetric or all "
+                         f"symmetric weights")
+    perms = [w.perm for w in weights]
+    if any(p is not None for p in perms):
+        if any(p is None or not _is_concrete(p) for p in perms):
+            raise ValueError(f"concatenate: perm (act-order) is set on some weights but not all, "
+                             f"or is traced ({_listing([_describe(p) for p in perms])}); the "
+                             f"joined weight needs one row order, concrete to compare")
+        if any(not np.array_equal(np.asarray(p), np.asarray(perms[0])) for p in perms):
+            raise ValueError("concatenate: the weights' perm (act-order row orders) differ; "
+                             "one weight stores its rows in one order, so only weights with "
+                             "equal perm join")
+    n = sum(w.n for w in weights)
+    k_pad, n_pad = shapes.padded_shape(first.k, n, first.group_size)
+    chunk = shapes.MIN_THREAD_N
+    repack = any(w.n % chunk for w in weights[:-1])
+    widths = tuple(w.n for w in weights[:-1]) + (
+        weights[-1].n if repack else -(-weights[-1].n // chunk) * chunk,)
+    zeros = tuple(w.zeros for w in weights) if all(has_zeros) else None
+    qweight, scales, zeros = _concatenate(tuple(w.qweight for w in weights),
+                                          tuple(w.scales for w in weights), zeros, widths,
+                                          k_pad, n_pad, first.group_size, repack)
+    return MarlinWeight(qweight, scales, k=first.k, n=n, group_size=first.group_size,
+                        perm=first.perm, zeros=zeros)
+
+
+def _listing(values) -> str:
+    return ", ".join(f"[{i}] {v}" for i, v in enumerate(values))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _concatenate(qweights, scales, zeros, widths, k_pad, n_pad, group_size, repack):
+    """Packed ``(qweight, scales, zeros)`` of columns ``:widths[i]`` of each part, side by side.
+
+    ``repack``: through the natural order (unpacked arrays), for widths that
+    are not whole 64-column chunks; else on the packed arrays, whose column
+    counts are 2 words (qweight) and 1/8 word (zeros) per column.
+    """
+    groups = shapes.num_groups(k_pad, group_size)
+    if repack:
+        qweights = [_unpack_nibbles(q, q.shape[0] * shapes.TILE, q.shape[1] // 2)
+                    for q in qweights]
+        scales = [_unpermute_scales(s, group_size) for s in scales]
+        if zeros is not None:
+            zeros = [_unpack_zeros(z) for z in zeros]
+        q_rows, q_per_column, z_per_column, fill = k_pad, 1, 1, _ZERO_POINT
+    else:
+        q_rows, q_per_column, z_per_column, fill = (k_pad // shapes.TILE, 2, 1 / 8,
+                                                    _PACKED_ZERO_POINTS)
+
+    def join(parts, rows, per_column, value):
+        cols = [int(w * per_column) for w in widths]
+        joined = jnp.concatenate([_fit(a, rows, c, value) for a, c in zip(parts, cols)], axis=1)
+        return _fit(joined, rows, int(n_pad * per_column), value)
+
+    qweight = join(qweights, q_rows, q_per_column, fill)
+    scales = join(scales, groups, 1, 0)
+    if zeros is not None:
+        zeros = join(zeros, groups, z_per_column, fill)
+    if repack:
+        qweight, scales = _pack_nibbles(qweight), _permute_scales(scales, group_size)
+        if zeros is not None:
+            zeros = _pack_zeros(zeros)
+    return qweight, scales, zeros
+
+
+def _fit(a, rows: int, cols: int, value):
+    """``a [r, c]`` cut or padded with ``value`` to ``[rows, cols]``.
+
+    Only padding is ever cut: rows beyond the weight's k (which ``x``'s zero
+    padding multiplies) and columns beyond a part's n.
+    """
+    a = a[:rows, :cols]
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])), constant_values=value)
 
 
 def _check_weight(w) -> None:

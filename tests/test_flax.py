@@ -24,6 +24,7 @@ from jax_marlin.flax import (  # noqa: E402
     MarlinLinear,
     QuantizedWeight,
     QuantizeSummary,
+    concatenate_linears,
     dense_to_marlin,
     matmul_dtype,
     params_to_marlin,
@@ -198,6 +199,32 @@ def _is_variable(v):
 
 def _paths(layers):
     return ["/".join(map(str, layer.path)) for layer in layers]
+
+
+def test_concatenate_linears_with_bias(rng):
+    # Three layers reading one input, with biases: one layer, the outputs side by side.
+    layers = [nnx.Linear(96, n, rngs=nnx.Rngs(i), bias_init=nnx.initializers.normal(1.0))
+              for i, n in enumerate((64, 32, 100))]
+    x = random_x(rng, 3, 96, dtype=np.float32)
+    joined = concatenate_linears(layers)
+    assert type(joined) is nnx.Linear and (joined.in_features, joined.out_features) == (96, 196)
+    want = np.concatenate([np.asarray(layer(x)) for layer in layers], axis=-1)
+    np.testing.assert_allclose(np.asarray(joined(x)), want, rtol=1e-6, atol=1e-6)
+
+    marlin = [MarlinLinear.from_linear(layer, group_size=32) for layer in layers]
+    joined = concatenate_linears(marlin)
+    assert type(joined) is MarlinLinear and joined.weight.get_value().shape == (96, 196)
+    assert joined.bias.shape == (196,) and joined.group_size == 32
+    want = np.concatenate([np.asarray(layer(x)) for layer in marlin], axis=-1)
+    # The CPU kernel adds the bias to each column's sum before its one rounding: bit for bit.
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda m, x: m(x))(joined, x)), want)
+
+    with pytest.raises(ValueError, match=r"the layers' use_bias differ \(True, False\)"):
+        concatenate_linears([layers[0], nnx.Linear(96, 8, use_bias=False, rngs=nnx.Rngs(0))])
+    with pytest.raises(TypeError, match="got Linear, MarlinLinear"):
+        concatenate_linears([layers[0], marlin[1]])
+    with pytest.raises(ValueError, match="at least one layer"):
+        concatenate_linears([])
 
 
 def test_quantize_model_replaces_nested_layers_and_warns_once(rng):

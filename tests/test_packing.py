@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_marlin as jm
+from jax_marlin.ops import _matmul
 from conftest import ODD, imported_weight, random_weight
 
 SHAPES = [(64, 128), (128, 64), (256, 256), (384, 192), (1024, 512)]
@@ -445,3 +446,122 @@ def test_inconsistent_perm_or_zeros_raise(rng):
                   dataclasses.replace(w, zeros=w.zeros.astype(jnp.uint8)))
     with pytest.raises(ValueError, match=r"zeros: int32\[4, 128\], expected int32\[4, 16\]"):
         jm.dequantize(dataclasses.replace(w, zeros=jnp.zeros((4, 128), jnp.int32)))
+
+
+# --- concatenate along n ---------------------------------------------------------------
+#
+# (k, widths, group_size): aligned widths join the packed arrays as they are;
+# SmolLM2's attention (576 x [576, 192, 192]) and MLP (576 x [1536, 1536])
+# have parts stored with other paddings than the joined weight (k_pad 640 or
+# 576, n_pad 640 for 576 at g64 and -1); widths that are no multiple of 64
+# take the unpack-and-pack route.
+CONCAT_CASES = [
+    (256, (128, 64, 64), 128),
+    (576, (576, 192, 192), 128),
+    (576, (576, 192, 192), 64),
+    (576, (576, 192, 192), -1),
+    (576, (1536, 1536), 64),
+    (256, (100, 60, 30), 32),
+    (576, (130, 192), 64),
+    (1000, (64, 100), -1),
+]
+
+
+def concat_parts(rng, k, widths, group_size, *, zeros=False, act_order=False):
+    """Packed ``[k, n_i]`` parts with one shared act-order row order (if any) and their arrays."""
+    rows = k if group_size == -1 else group_size
+    groups = -(-k // rows)
+    g_idx = None
+    if act_order:
+        g_idx = np.empty(k, np.int64)
+        g_idx[rng.permutation(k)] = np.arange(k) // rows
+    parts = []
+    for n in widths:
+        q = rng.integers(0, 16, (k, n))
+        scales = rng.uniform(0.5, 2.0, (groups, n)).astype(np.float16) / 16
+        z = rng.integers(0, 16, (groups, n)) if zeros else None
+        parts.append(jm.pack(q, scales, group_size, zeros=z, g_idx=g_idx))
+    return parts
+
+
+@pytest.mark.parametrize("k,widths,group_size", CONCAT_CASES)
+def test_concatenate_equals_separate_matmuls(rng, k, widths, group_size):
+    weights = [random_weight(rng, k, n) for n in widths]
+    parts = [jm.quantize(w, group_size) for w in weights]
+    joined = jm.concatenate(parts)
+    assert joined.shape == (k, sum(widths))
+    assert joined.padded_shape == jm.padded_shape(k, sum(widths), group_size)
+    x = rng.standard_normal((5, k)).astype(np.float16)
+    separate = np.concatenate([np.asarray(jm.matmul(x, w)) for w in parts], axis=-1)
+    fused = jax.jit(lambda x, w: _matmul(x, w, poison_output=True))(x, joined)
+    # The CPU kernel sums each column over k in order; padded rows add exact zeros.
+    np.testing.assert_array_equal(np.asarray(fused).view(np.uint16), separate.view(np.uint16))
+    # Moved, not rounded again: the unpacked arrays side by side ...
+    q, scales = jm.unpack(joined)
+    unpacked = [jm.unpack(w) for w in parts]
+    np.testing.assert_array_equal(np.asarray(q), np.concatenate([u[0] for u in unpacked], 1))
+    np.testing.assert_array_equal(np.asarray(scales), np.concatenate([u[1] for u in unpacked], 1))
+    # ... and round to nearest of the joined float weights, bit for bit (its
+    # scales are per column, so joining commutes with quantizing).
+    requantized = jm.quantize(np.concatenate(weights, 1), group_size, dtype=jnp.float16)
+    np.testing.assert_array_equal(np.asarray(joined.qweight), np.asarray(requantized.qweight))
+    np.testing.assert_array_equal(np.asarray(joined.scales), np.asarray(requantized.scales))
+
+
+@pytest.mark.parametrize("k,widths,group_size", [(576, (576, 192, 192), 64),
+                                                 (256, (100, 60, 30), 32),
+                                                 (1000, (64, 100), -1)])
+def test_concatenate_zeros_and_act_order(rng, k, widths, group_size):
+    parts = concat_parts(rng, k, widths, group_size, zeros=True,
+                         act_order=group_size != -1)
+    joined = jm.concatenate(parts)
+    assert joined.zeros is not None and (joined.perm is None) == (group_size == -1)
+    x = rng.standard_normal((3, k)).astype(np.float16)
+    separate = np.concatenate([np.asarray(jm.matmul(x, w)) for w in parts], axis=-1)
+    fused = jax.jit(lambda x, w: _matmul(x, w, poison_output=True))(x, joined)
+    np.testing.assert_array_equal(np.asarray(fused).view(np.uint16), separate.view(np.uint16))
+    unpacked = [jm.unpack(w) for w in parts]
+    for got, field in zip(jm.unpack(joined), ("q", "scales", "zeros", "g_idx")):
+        want = (np.asarray(unpacked[0][3]) if field == "g_idx" else
+                np.concatenate([u[("q", "scales", "zeros").index(field)] for u in unpacked], 1))
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=field)
+    np.testing.assert_array_equal(
+        np.asarray(jm.dequantize(joined, jnp.float32)),
+        np.concatenate([np.asarray(jm.dequantize(w, jnp.float32)) for w in parts], 1))
+
+
+def test_concatenate_is_traceable(rng):
+    parts = [jm.quantize(random_weight(rng, 576, n), 64) for n in (576, 192)]
+    joined = jax.jit(jm.concatenate)(parts)
+    np.testing.assert_array_equal(np.asarray(joined.qweight),
+                                  np.asarray(jm.concatenate(parts).qweight))
+    abstract = jax.eval_shape(jm.concatenate, parts)
+    assert abstract.shape == (576, 768) and abstract.qweight.shape == (36, 1536)
+
+
+def test_concatenate_errors(rng):
+    w = jm.quantize(random_weight(rng, 256, 128), 64)
+    cases = [
+        ([], "at least one MarlinWeight"),
+        ([w, jm.quantize(random_weight(rng, 320, 128), 64)],
+         r"the weights' k differ \(\[0\] 256, \[1\] 320\)"),
+        ([w, jm.quantize(random_weight(rng, 256, 128), 128)],
+         r"group_size differ \(\[0\] 64, \[1\] 128\)"),
+        ([w, jm.quantize(random_weight(rng, 256, 128), 64, dtype=jnp.bfloat16)],
+         r"dtype differ \(\[0\] float16, \[1\] bfloat16\)"),
+        ([w, concat_parts(rng, 256, (128,), 64, zeros=True)[0]],
+         r"zeros \(zero points\) on some weights but not all \(present: \[0\] False, \[1\] True\)"),
+        ([w, concat_parts(rng, 256, (128,), 64, act_order=True)[0]],
+         r"perm \(act-order\) is set on some weights but not all.*\[1\] int32\[256\]"),
+        (concat_parts(rng, 256, (128,), 64, act_order=True)
+         + concat_parts(rng, 256, (64,), 64, act_order=True),
+         r"perm \(act-order row orders\) differ"),
+    ]
+    for weights, match in cases:
+        with pytest.raises(ValueError, match=match):
+            jm.concatenate(weights)
+    with pytest.raises(TypeError, match="expected a jax_marlin.MarlinWeight, got ndarray"):
+        jm.concatenate([w, np.zeros((256, 128))])
+    act = concat_parts(rng, 256, (128,), 64, act_order=True)[0]
+    with pytest.raises(ValueError, match="or is traced"):
+        jax.jit(lambda a: jm.concatenate([a, a]))(act)

@@ -12,7 +12,12 @@ weights with float16 group scales, dequantized and multiplied by XLA inside
 the step (what a JAX user writes without a kernel); and ``marlin_g128``, the
 block projections quantized with ``jm.quantize`` (``--group-size``, default
 128) through ``quantize_model``. The embedding and the output head stay
-float16 in all three.
+float16 in all three. Each model's projections are fused
+(``fuse_projections``: q, k, v as one ``qkv`` matmul and gate, up as one
+``gate_up``, 4 matmuls a block instead of 7; after quantizing, the int4
+path's on the fused float layers), so all three run the same number of
+matmuls; ``--no-fuse`` times them unfused. The JSON records which
+(``fused``).
 
 A step is ``Decoder.step``: one token per sequence at a position of a
 ``--context``-long cache (the attention reads the whole cache), donated and
@@ -35,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jax_marlin.flax import quantize_model
-from jax_marlin.models import Llama, LlamaConfig
+from jax_marlin.models import Llama, LlamaConfig, fuse_projections
 from jax_marlin.models.decode import Decoder
 
 CONFIGS = {
@@ -81,11 +86,27 @@ class XlaInt4Linear(nnx.Module):
 
 
 def to_xla_int4(model, group_size):
-    """Replaces the block projections of a :class:`Llama` by :class:`XlaInt4Linear`, in place."""
+    """Replaces the block projections (fused or not) of a :class:`Llama` by :class:`XlaInt4Linear`.
+
+    In place; returns ``model``.
+    """
     for block in model.layers:
-        for module, names in ((block.attn, "qkvo"), (block.mlp, ("gate", "up", "down"))):
-            for name in names:
-                setattr(module, name, XlaInt4Linear(getattr(module, name), group_size))
+        for module in (block.attn, block.mlp):
+            for name, layer in list(vars(module).items()):
+                if isinstance(layer, nnx.Linear):
+                    setattr(module, name, XlaInt4Linear(layer, group_size))
+    return model
+
+
+def prepare(name, model, group_size, fuse):
+    """Makes the float16 ``model`` the variant ``name`` (float16, xla_int4_g*, marlin_g*)."""
+    if name.startswith("marlin"):
+        quantize_model(model, group_size=group_size, progress=False,
+                       filter=lambda path, _: path[0] == "layers")
+    if fuse:
+        fuse_projections(model)
+    if name.startswith("xla_int4"):
+        to_xla_int4(model, group_size)
     return model
 
 
@@ -142,6 +163,8 @@ def main():
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32, help="steps per timed run")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="fuse q, k, v and gate, up into one matmul each (all three models)")
     parser.add_argument("--bandwidth", type=float, default=4800.0,
                         help="GB/s for ideal_us (H200 HBM3e: 4800)")
     parser.add_argument("--out", help="write the results here (JSON)")
@@ -154,16 +177,13 @@ def main():
     device = jax.devices()[0]
     g = args.group_size
     _, source = build(args.model, jnp.float16)
-    print(f"{args.model} ({source}), float16 vs XLA int4 vs jax-marlin g{g}, context "
-          f"{args.context}, on {device.device_kind}")
+    print(f"{args.model} ({source}), float16 vs XLA int4 vs jax-marlin g{g}, "
+          f"{'fused' if args.fuse else 'unfused'} projections, context {args.context}, on "
+          f"{device.device_kind}")
     rows = []
     for name in ["float16", f"xla_int4_g{g}", f"marlin_g{g}"]:
-        model, _ = build(args.model, jnp.float16)  # the same weights each time
-        if name.startswith("xla_int4"):
-            to_xla_int4(model, g)
-        elif name.startswith("marlin"):
-            quantize_model(model, group_size=g, progress=False,
-                           filter=lambda path, _: path[0] == "layers")
+        # the same weights each time
+        model = prepare(name, build(args.model, jnp.float16)[0], g, args.fuse)
         nbytes = weight_bytes(model)
         ideal_us = nbytes / (args.bandwidth * 1e3)
         for batch in args.batch:
@@ -181,8 +201,8 @@ def main():
                   f"({ideal_us / row['step_us'] * 100:.0f}% of the step)")
     result = dict(model=args.model, weights_source=source, device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, context=args.context,
-                  group_size=args.group_size, steps=args.steps, bandwidth_gbs=args.bandwidth,
-                  rows=rows)
+                  group_size=args.group_size, fused=args.fuse, steps=args.steps,
+                  bandwidth_gbs=args.bandwidth, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -195,6 +215,7 @@ def main():
             row["weights"]: {str(r["batch"]): r["tokens_per_s"] for r in rows
                              if r["weights"] == row["weights"]} for row in rows}
         per_device[device.device_kind]["context"] = args.context
+        per_device[device.device_kind]["fused"] = args.fuse
         with open(args.results, "w") as f:
             json.dump(results, f, indent=2)
             f.write("\n")

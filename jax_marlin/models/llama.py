@@ -11,6 +11,11 @@
 Every projection is an ``nnx.Linear`` (in x out kernel, no bias), so
 ``jax_marlin.flax.quantize_model`` and ``jax_marlin.flax.gptq`` turn them into
 ``MarlinLinear``. The embedding, the norms and the output head stay float.
+For decoding, :func:`fuse_projections` then joins each block's q, k, v into
+one ``qkv`` layer and gate, up into ``gate_up`` (4 matmuls a block, not 7):
+
+    quantize_model(model)      # or gptq_blocks, or load_quantized: on q, k, v, gate, up
+    fuse_projections(model)    # float or 4-bit, in place; the same logits
 
 RoPE rotates the two halves of each head (``x[:d/2]``, ``x[d/2:]``), the
 Hugging Face layout of the Q and K projection rows; checkpoints that store
@@ -27,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["KVCache", "Llama", "LlamaConfig"]
+from jax_marlin.flax.nnx import concatenate_linears
+
+__all__ = ["KVCache", "Llama", "LlamaConfig", "fuse_projections"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,22 @@ class Attention(nnx.Module):
         self.k = _linear(config.hidden_size, config.num_kv_heads * hd, dtype, rngs)
         self.v = _linear(config.hidden_size, config.num_kv_heads * hd, dtype, rngs)
         self.o = _linear(config.num_heads * hd, config.hidden_size, dtype, rngs)
+        self.qkv = nnx.data(None)  # q, k and v joined: fuse()
         self.config = config
+
+    def fuse(self):
+        """Replaces ``q``, ``k``, ``v`` by one layer ``qkv [hidden, (heads + 2 kv_heads) hd]``."""
+        if self.qkv is None:
+            self.qkv = concatenate_linears([self.q, self.k, self.v])
+            self.q = self.k = self.v = None
+
+    def _project(self, x):
+        """``x [b, s, hidden]`` -> ``q [b, s, heads hd]``, ``k``, ``v [b, s, kv_heads hd]``."""
+        if self.qkv is None:
+            return self.q(x), self.k(x), self.v(x)
+        c = self.config
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return jnp.split(self.qkv(x), [q_width, q_width + kv_width], axis=-1)
 
     def __call__(self, x, pos, cache_k=None, cache_v=None):
         """``x [b, s, hidden]`` at positions ``pos .. pos + s - 1``.
@@ -116,9 +138,10 @@ class Attention(nnx.Module):
         b, s, _ = x.shape
         positions = pos + jnp.arange(s)
         heads = lambda t, h: t.reshape(b, s, h, c.head_dim).transpose(0, 2, 1, 3)  # [b, h, s, d]
-        q = rope(heads(self.q(x), c.num_heads), positions, c.rope_theta)
-        k = rope(heads(self.k(x), c.num_kv_heads), positions, c.rope_theta).astype(x.dtype)
-        v = heads(self.v(x), c.num_kv_heads)
+        q, k, v = self._project(x)
+        q = rope(heads(q, c.num_heads), positions, c.rope_theta)
+        k = rope(heads(k, c.num_kv_heads), positions, c.rope_theta).astype(x.dtype)
+        v = heads(v, c.num_kv_heads)
         if cache_k is not None:
             cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, 2)
             cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, 2)
@@ -148,9 +171,20 @@ class MLP(nnx.Module):
         self.gate = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
         self.up = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
         self.down = _linear(config.intermediate_size, config.hidden_size, dtype, rngs)
+        self.gate_up = nnx.data(None)  # gate and up joined: fuse()
+
+    def fuse(self):
+        """Replaces ``gate``, ``up`` by one ``gate_up`` layer ``[hidden, 2 intermediate]``."""
+        if self.gate_up is None:
+            self.gate_up = concatenate_linears([self.gate, self.up])
+            self.gate = self.up = None
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        if self.gate_up is None:
+            gate, up = self.gate(x), self.up(x)
+        else:
+            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -210,3 +244,25 @@ class Llama(nnx.Module):
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), (None if cache is None
                                             else KVCache(tuple(new_k), tuple(new_v)))
+
+
+def fuse_projections(model: Llama) -> Llama:
+    """Joins each block's q, k, v projections into one ``qkv`` layer and gate, up into ``gate_up``.
+
+    In place; returns ``model``. A decode step then runs 4 matmuls per block
+    (qkv, o, gate_up, down) instead of 7 over the same weight bytes; at batch
+    1 each matmul also costs a few fixed microseconds on the GPU, so a block
+    saves three of those. The layers of each group must be all float
+    ``nnx.Linear`` or all ``MarlinLinear``
+    (``jax_marlin.flax.concatenate_linears``; 4-bit weights are joined
+    exactly by ``jax_marlin.concatenate``). Fuse after quantizing:
+    ``quantize_model``, ``gptq_blocks`` and ``load_quantized`` work on the
+    separate projections (a loaded checkpoint names them). The model's state
+    then holds ``qkv`` and ``gate_up`` in place of the parts, so a checkpoint
+    of a fused model restores into a fused one. Fusing a fused block does
+    nothing.
+    """
+    for block in model.layers:
+        block.attn.fuse()
+        block.mlp.fuse()
+    return model
