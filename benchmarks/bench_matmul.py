@@ -27,10 +27,7 @@ Method: each variant gets ``ROTATE`` distinct weight sets, applied one
 after another inside one jitted call, so weights stream from HBM rather than
 the 60 MB L2; the call is dispatched ``CALLS`` times back to back and the wall
 time (after a block at the end) divided by ``CALLS * ROTATE``; that is the
-device time per matmul once the GPU is saturated. Each call donates the
-previous call's outputs, so that its outputs land in the same buffers every
-time, as a model step's temporaries do (with fresh buffers, XLA may trace the
-custom call into its command buffer again on every dispatch). Every call takes ``x
+device time per matmul once the GPU is saturated. Every call takes ``x
 [m, k]`` as an argument of its own, also at m = 1: never a slice of a stacked
 ``[R, m, k]`` array, for which XLA picks a slower dot at m = 1 (134 against
 42 us for the fp16 dot on 8192 x 10240), so the XLA rows get its best
@@ -56,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -89,26 +85,18 @@ CALLS = 20
 REPEATS = 5
 
 
-def timeit(fn, *args, inner: int = 1, reuse_outputs: bool = False) -> tuple[float, float]:
+def timeit(fn, *args, inner: int = 1) -> tuple[float, float]:
     """Median and spread of the per-matmul device time in microseconds.
 
-    ``fn`` runs ``inner * ROTATE`` matmuls per call. With ``reuse_outputs``,
-    ``fn`` takes the previous call's outputs as a last, donated argument (None
-    at first), so that XLA writes every call's outputs into the same buffers
-    (see the module's docstring).
+    ``fn`` runs ``inner * ROTATE`` matmuls per call.
     """
-    out = None
-
-    def call():
-        return fn(*args, out) if reuse_outputs else fn(*args)
-
-    out = jax.block_until_ready(call())
-    out = jax.block_until_ready(call())
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         for _ in range(CALLS):
-            out = call()
+            out = fn(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / (CALLS * ROTATE * inner) * 1e6)
     return statistics.median(samples), max(samples) - min(samples)
@@ -202,23 +190,19 @@ def imported(w: jm.MarlinWeight, key, layout: str) -> jm.MarlinWeight:
 
 
 # Each takes a list of activations (``--inner`` distinct copies for jax_marlin,
-# one for XLA), the ROTATE weight sets and its previous outputs (donated, for
-# their buffers; see timeit).
-donating = functools.partial(jax.jit, donate_argnums=2)
-
-
-@donating
-def _marlin(xs, ws, previous):
+# one for XLA) and the ROTATE weight sets.
+@jax.jit
+def _marlin(xs, ws):
     return [jm.matmul(x, w) for x in xs for w in ws]
 
 
-@donating
-def _dense(xs, ws, previous):
+@jax.jit
+def _dense(xs, ws):
     return [x @ w for x in xs for w in ws]
 
 
-@donating
-def _int4(xs, ws, previous):
+@jax.jit
+def _int4(xs, ws):
     out = []
     for x in xs:
         for q, s in ws:
@@ -252,8 +236,7 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
             # Distinct buffers, so XLA cannot merge the custom calls.
             copies = inner if impl == "jax_marlin" else 1
             xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(copies - 1)]
-            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=copies,
-                                    reuse_outputs=True)
+            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=copies)
             rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
                        group_size=group_size, layout=layout, inner=copies, median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
@@ -295,8 +278,7 @@ def main(argv=None) -> int:
                   date=datetime.date.today().isoformat(),
                   method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS, inner=args.inner,
                               rel_err="against x @ dequantize(w) in float32, unrounded",
-                              x="one [m, k] argument per call, never a slice of a stacked array",
-                              outputs="each call donates the previous call's outputs (same buffers)"),
+                              x="one [m, k] argument per call, never a slice of a stacked array"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
     print(f"{result['gpu']}  jax {result['jax']}  copy {result['copy_tbps']} TB/s", flush=True)
     kept = []
