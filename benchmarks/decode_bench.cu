@@ -2,7 +2,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
-//   ./decode_bench [--group G] [--bf16] [--check] [--sweep] [--chain] [--reps N] m:k:n ...
+//   ./decode_bench [--group G] [--bf16] [--zeros] [--check] [--sweep] [--chain] [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
 // the launcher picks: the decode kernel for m <= 16 on sm_90 unless
@@ -15,7 +15,9 @@
 // output (NaN-poisoned first) with a float64 host product on six 64-column
 // chunks (first, last, four spread between) with and without a bias, checks
 // that repeats are bit-identical, and does so for every configuration with
-// --sweep.
+// --sweep. --zeros gives every weight copy random zero points (the layout of
+// an imported asymmetric checkpoint), to time their cost against the
+// symmetric kernels; their correctness is the GPU tests' (--check refuses it).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -38,6 +40,7 @@ using bench::fill_bits;
 using bench::fill_float;
 
 bool g_bf16 = false;
+bool g_zeros = false;
 int g_group = 128;
 int g_failures = 0;
 
@@ -69,10 +72,11 @@ struct Case {
   int64_t groups() const { return g_group == -1 ? 1 : k / g_group; }
   size_t b_bytes() const { return size_t(k) * n / 2; }
   size_t s_bytes() const { return size_t(groups()) * n * 2; }
+  size_t z_bytes() const { return g_zeros ? size_t(groups()) * n / 2 : 0; }  // 4 bits each
 };
 
 struct Buffers {
-  std::vector<void *> B, s;
+  std::vector<void *> B, s, z;  // z: zero points per copy, or none
   void *A = nullptr, *C = nullptr, *bias = nullptr;
   int *workspace = nullptr;
   float *scratch = nullptr;
@@ -80,8 +84,15 @@ struct Buffers {
 
 Buffers allocate(const Case &c, cudaStream_t stream) {
   Buffers b;
-  const int copies = int(std::max<size_t>(2, (200u << 20) / (c.b_bytes() + c.s_bytes()) + 1));
+  const int copies =
+      int(std::max<size_t>(2, (200u << 20) / (c.b_bytes() + c.s_bytes() + c.z_bytes()) + 1));
   for (int i = 0; i < copies; ++i) {
+    if (g_zeros) {
+      void *z;
+      check(cudaMalloc(&z, c.z_bytes()), "cudaMalloc zeros");
+      fill_bits<<<1024, 256, 0, stream>>>(static_cast<uint32_t *>(z), c.z_bytes() / 4, 53 + i);
+      b.z.push_back(z);
+    }
     void *B, *s;
     check(cudaMalloc(&B, c.b_bytes()), "cudaMalloc B");
     check(cudaMalloc(&s, c.s_bytes()), "cudaMalloc s");
@@ -105,6 +116,7 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
 void release(Buffers &b) {
   for (void *p : b.B) cudaFree(p);
   for (void *p : b.s) cudaFree(p);
+  for (void *p : b.z) cudaFree(p);
   cudaFree(b.A), cudaFree(b.C), cudaFree(b.bias), cudaFree(b.workspace), cudaFree(b.scratch);
 }
 
@@ -113,10 +125,11 @@ std::string call(const Case &c, const Buffers &b, int copy, const marlin::Decode
                  bool bias, cudaStream_t stream, const void *A = nullptr) {
   const void *x = A ? A : b.A;
   const void *bp = bias ? b.bias : nullptr;
+  const void *z = g_zeros ? b.z[copy] : nullptr;
   if (config.valid())
-    return marlin::decode_matmul(x, b.B[copy], b.s[copy], nullptr, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
+    return marlin::decode_matmul(x, b.B[copy], b.s[copy], z, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
                                  config, true, stream);
-  return marlin::matmul(x, b.B[copy], b.s[copy], nullptr, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
+  return marlin::matmul(x, b.B[copy], b.s[copy], z, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
                         b.workspace, b.scratch, stream);
 }
 
@@ -240,6 +253,7 @@ int main(int argc, char **argv) {
     else if (a == "--sweep") sweep = true;
     else if (a == "--chain") chain = true;
     else if (a == "--bf16") g_bf16 = true;
+    else if (a == "--zeros") g_zeros = true;
     else if (a == "--group" && i + 1 < argc) g_group = std::atoi(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else {
@@ -251,12 +265,16 @@ int main(int argc, char **argv) {
       cases.push_back(c);
     }
   }
+  if (g_zeros && do_check) {
+    std::fprintf(stderr, "--check takes symmetric weights only (zero points: the GPU tests)\n");
+    return 2;
+  }
   int device, sms;
   check(cudaGetDevice(&device), "device");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
   const char *env = std::getenv("JAX_MARLIN_DECODE");
-  std::printf("# %s g%d, launcher with JAX_MARLIN_DECODE=%s, JAX_MARLIN_PDL=%s\n",
-              g_bf16 ? "bf16" : "fp16", g_group, env ? env : "(unset)",
+  std::printf("# %s g%d%s, launcher with JAX_MARLIN_DECODE=%s, JAX_MARLIN_PDL=%s\n",
+              g_bf16 ? "bf16" : "fp16", g_group, g_zeros ? " with zero points" : "", env ? env : "(unset)",
               std::getenv("JAX_MARLIN_PDL") ? std::getenv("JAX_MARLIN_PDL") : "(unset)");
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -265,7 +283,8 @@ int main(int argc, char **argv) {
   for (const Case &c : cases) {
     Buffers b = allocate(c, stream);
     const int copies = int(b.B.size());
-    const double bytes = double(c.b_bytes() + c.s_bytes() + size_t(c.m) * (c.k + c.n) * 2);
+    const double bytes =
+        double(c.b_bytes() + c.s_bytes() + c.z_bytes() + size_t(c.m) * (c.k + c.n) * 2);
     const marlin::DecodeConfig chosen = marlin::choose_decode_config(c.m, c.n, c.k, g_group, sms);
     char label[32];
     std::snprintf(label, sizeof label, "%d,%d,%d", chosen.cw, chosen.kw, chosen.s);

@@ -5,7 +5,7 @@
 # tests, time the prefill kernel against cuBLAS and the Marlin kernel, time a
 # Llama-3-8B decode step through JAX, and run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests prefill step sanitize
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests prefill step sanitize zp
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -107,6 +107,17 @@ if has prefill; then
   $BIN --reps 50 $pc > "$OUT/time-prefill.log" 2>&1
   JAX_MARLIN_PREFILL=0 $BIN --reps 50 $pc > "$OUT/time-prefill-marlin.log" 2>&1
   paste <(grep -E "^ +[0-9]" "$OUT/time-prefill.log" | awk '{print $1, $2, $3, $5}') <(grep -E "^ +[0-9]" "$OUT/time-prefill-marlin.log" | awk '{print $5}')
+fi
+
+if has zp; then
+  step "zero points: the launcher with random zero points against symmetric weights (fp16 g128)"
+  zc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096; do echo -n "$m:$l "; done; done)
+  $BIN --reps 100 $zc > "$OUT/time-sym.log" 2>&1
+  $BIN --reps 100 --zeros $zc > "$OUT/time-zp.log" 2>&1
+  echo "   m      k      n   symmetric_us  zero_points_us"
+  paste <(grep -E "^ +[0-9]" "$OUT/time-sym.log" | awk '{print $1, $2, $3, $5}') \
+        <(grep -E "^ +[0-9]" "$OUT/time-zp.log" | awk '{print $5}') |
+    awk '{printf "%5s %6s %6s %10s %10s  %+.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1)}'
 fi
 
 if has sanitize; then
