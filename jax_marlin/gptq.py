@@ -29,7 +29,11 @@ error over the rows not yet quantized, weighted by the inverse of
    over the group's rows: clipping a few outliers for a finer step on the
    rest (the GPTQ reference's ``mse`` option weighs the rows alike; ``H_ii``
    makes the sum the layer's output error from this group's rounding alone).
-   A scale never exceeds ``max|w| / 7.5``.
+   A scale never exceeds ``max|w| / 7.5`` (before step 6).
+6. ``refits > 0`` repeats, that many times: fit the scales to the ``q`` just
+   chosen (for fixed ``q`` the output error ``(w - dq)^T H (w - dq)`` of a
+   column is quadratic in its scales: a least-squares solve per column over
+   its groups), then run steps 3-4 again with those scales fixed.
 
 ``act_order=True`` processes the rows by decreasing ``H_ii`` (the inputs
 with the most energy first). Groups stay the rows ``g * group_size ..`` of
@@ -88,7 +92,8 @@ def _add_rows(h, x, keep):
 
 
 def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp: float = 0.01,
-             block_size: int = 128, dtype=jnp.float16, min_clip: float = 1.0) -> MarlinWeight:
+             block_size: int = 128, dtype=jnp.float16, min_clip: float = 1.0,
+             refits: int = 0) -> MarlinWeight:
     """GPTQ of ``weight [k, n]`` (in x out) against ``h [k, k]`` (:func:`hessian`).
 
     Args:
@@ -102,6 +107,7 @@ def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp:
       min_clip: in (0, 1]; below 1, each group's scale is searched down to
         ``min_clip`` times the max-abs scale (step 5 of the module's
         docstring); 1: the max-abs scale.
+      refits: rounds of least-squares scales and requantization (step 6).
 
     Returns:
       :class:`~jax_marlin.MarlinWeight` of logical shape ``[k, n]``, packed
@@ -123,10 +129,13 @@ def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp:
         raise ValueError(f"damp = {damp} must be > 0 (H may be singular)")
     if not 0 < min_clip <= 1:
         raise ValueError(f"min_clip = {min_clip} must be in (0, 1]")
+    if refits < 0:
+        raise ValueError(f"refits = {refits} must be >= 0")
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float16, jnp.bfloat16):
         raise TypeError(f"dtype is {dtype}; the scales are float16 or bfloat16")
-    q, scales = _gptq(w, h, group_size, act_order, float(damp), block_size, dtype, float(min_clip))
+    q, scales = _gptq(w, h, group_size, act_order, float(damp), block_size, dtype, float(min_clip),
+                      int(refits))
     return pack(q, scales, group_size=group_size, dtype=dtype)
 
 
@@ -159,8 +168,8 @@ def _round(w, s):
     return q, (q - _ZERO_POINT) * s
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip, refits):
     k, n = w.shape
     w = w.astype(jnp.float32)
     h = h.astype(jnp.float32)
@@ -181,6 +190,7 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
     static_scales = jax.lax.map(lambda a: _scales(a[0], dtype, shrinks, a[1]),
                                 (w_groups, hd_groups))  # [num_groups, n]
 
+    w_given, h_given = w, h
     perm = jnp.argsort(-jnp.diag(h), stable=True) if act_order else jnp.arange(k)
     w = w[perm]
     h = h[perm][:, perm]
@@ -198,9 +208,8 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
     u = u.at[jnp.arange(k, k_pad), jnp.arange(k, k_pad)].set(1.0)
     group_of_row = jnp.pad(perm // g, (0, k_pad - k))  # padded rows: any group, w = 0
     h_pad = jnp.pad(h_diag, (0, k_pad - k))
-    lazy_scales = not act_order and group_size != -1
 
-    def block(b, carry):
+    def block(b, carry, lazy_scales, static_scales):
         w, q_all, scales_all = carry
         start = b * block_size
         w1 = jax.lax.dynamic_slice_in_dim(w, start, block_size, 0)  # [B, n]
@@ -239,8 +248,45 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
         q_all = jax.lax.dynamic_update_slice_in_dim(q_all, q1, start, 0)
         return w, q_all, scales_all
 
-    q = jnp.zeros((k_pad, n), jnp.float32)
-    _, q, scales = jax.lax.fori_loop(0, k_pad // block_size, block, (w, q, static_scales))
-    # Back to the original row order.
-    q = jnp.zeros((k, n), jnp.int32).at[perm].set(q[:k].astype(jnp.int32))
+    def run(scales, lazy_scales):
+        """One GPTQ pass -> ``(q [k, n] int32 in the original row order, scales)``."""
+        q = jnp.zeros((k_pad, n), jnp.float32)
+        _, q, scales = jax.lax.fori_loop(
+            0, k_pad // block_size,
+            functools.partial(block, lazy_scales=lazy_scales, static_scales=scales),
+            (w, q, scales))
+        return jnp.zeros((k, n), jnp.int32).at[perm].set(q[:k].astype(jnp.int32)), scales
+
+    q, scales = run(static_scales, lazy_scales=not act_order and group_size != -1)
+    for _ in range(refits):
+        scales = _refit_scales(w_given, h_given, q, scales, g, dtype)
+        q, scales = run(scales, lazy_scales=False)
     return q, scales.astype(dtype)
+
+
+def _refit_scales(w, h, q, scales, g, dtype):
+    """The scales ``[groups, n]`` that minimise ``(w - dq)^T H (w - dq)`` per column for fixed ``q``.
+
+    ``w [k, n]``, ``h [k, k]`` undamped, ``q [k, n]`` in 0..15, groups of ``g``
+    rows. For column c, ``dq = A s`` with ``A [k, groups]`` holding
+    ``q - 8`` in each group's rows, so the least-squares scales solve
+    ``(A^T H A) s = A^T H w``: a ``[groups, groups]`` system per column.
+    A group whose ``q`` are all 8 (``A^T H A`` has a zero row there), or a
+    solution that is not positive and finite, keeps its scale.
+    """
+    k, n = w.shape
+    num_groups = scales.shape[0]
+    pad = num_groups * g - k
+    d = jnp.pad(q.astype(jnp.float32) - _ZERO_POINT, ((0, pad), (0, 0))).reshape(num_groups, g, n)
+    h4 = jnp.pad(h, ((0, pad), (0, pad))).reshape(num_groups, g, num_groups, g)
+    hd = jnp.einsum("aibj,bjc->aibc", h4, d)  # H A, by group of A's columns
+    m = jnp.einsum("aic,aibc->cab", d, hd)  # [n, groups, groups]
+    hw = jnp.pad(h @ w, ((0, pad), (0, 0))).reshape(num_groups, g, n)
+    rhs = jnp.einsum("aic,aic->ca", d, hw)  # [n, groups]
+    empty = jnp.diagonal(m, axis1=1, axis2=2) <= 0  # [n, groups]
+    eye = jnp.eye(num_groups, dtype=bool)
+    m = jnp.where(empty[:, :, None] & eye, 1.0, m)
+    rhs = jnp.where(empty, scales.T, rhs)
+    s = jnp.linalg.solve(m, rhs[..., None])[..., 0].T  # [groups, n]
+    s = jnp.minimum(s, jnp.finfo(dtype).max).astype(dtype).astype(jnp.float32)
+    return jnp.where(jnp.isfinite(s) & (s > 0), s, scales)
