@@ -158,7 +158,6 @@ def gptq_blocks(
                        if type(node) is nnx.Linear and (filter is None or filter(path, node))]
             recorders, calls = record(block, x, linears)
             stages = stages_of(recorders, calls) if sequential else [recorders]
-            del calls  # the inputs it holds
             for i, stage in enumerate(stages):
                 if i > 0:  # the inputs as the stages quantized before change them
                     stage, _ = record(block, x, [(path, r.linear) for path, r in stage])
