@@ -87,6 +87,9 @@ def main():
     parser.add_argument("--sequential", action=argparse.BooleanOptionalAction,
                         default=smollm2.GPTQ_SEQUENTIAL,
                         help="GPTQ on each block's projections in stages (q k v; o; gate up; down)")
+    parser.add_argument("--zero-points", action=argparse.BooleanOptionalAction,
+                        default=smollm2.GPTQ_ZERO_POINTS,
+                        help="GPTQ with a zero point per group (asymmetric; RTN stays symmetric)")
     parser.add_argument("--calib-seqs", type=int, default=smollm2.GPTQ_CALIB_SEQS,
                         help="GPTQ calibration sequences")
     parser.add_argument("--calib-len", type=int, default=smollm2.GPTQ_CALIB_LEN,
@@ -106,6 +109,7 @@ def main():
                "group_size": args.group_size, "act_order": args.act_order,
                "gptq_damp": args.damp, "gptq_min_clip": args.min_clip,
                "gptq_refits": args.refits, "gptq_sequential": args.sequential,
+               "gptq_zero_points": args.zero_points,
                "gptq_calib": f"{args.calib_seqs} x {args.calib_len} tokens",
                "context": args.context, "eval_tokens": int(windows.size),
                "device": jax.devices()[0].device_kind, "machine": platform.machine()}
@@ -116,7 +120,8 @@ def main():
         seconds = smollm2.quantize(model, tokenizer, method, group_size=args.group_size,
                                    act_order=args.act_order, damp=args.damp,
                                    min_clip=args.min_clip, refits=args.refits,
-                                   sequential=args.sequential, calib_seqs=args.calib_seqs,
+                                   sequential=args.sequential, zero_points=args.zero_points,
+                                   calib_seqs=args.calib_seqs,
                                    calib_len=args.calib_len)
         if method == "gptq":
             results["gptq_seconds"] = round(seconds, 1)

@@ -84,6 +84,7 @@ def gptq_blocks(
     damp: float = 0.01,
     min_clip: float = 1.0,
     refits: int = 0,
+    zero_points: bool = False,
     sequential: bool = False,
     batch_size: int = 8,
     filter: Callable[[tuple[Any, ...], nnx.Linear], bool] | None = None,
@@ -96,7 +97,8 @@ def gptq_blocks(
       inputs: ``[batch, ...]``, the calibration input of the first block.
       run_block: ``run_block(block, x) -> y``, one block's forward pass; ``y``
         is the next block's input (same shape as ``x``).
-      group_size, act_order, damp, min_clip, refits: as :func:`jax_marlin.gptq.quantize`.
+      group_size, act_order, damp, min_clip, refits, zero_points: as
+        :func:`jax_marlin.gptq.quantize`.
       sequential: quantize a block's projections in stages: those that read
         the same input (q, k and v; gate and up) together, in the order the
         block calls them, each stage on the inputs the stages quantized before
@@ -167,7 +169,7 @@ def gptq_blocks(
                     layer.weight.set_value(gptq.quantize(
                         linear.kernel[...], recorder.h, group_size=group_size,
                         act_order=act_order, damp=damp, min_clip=min_clip, refits=refits,
-                        dtype=layer.weight.get_value().dtype))
+                        zero_points=zero_points, dtype=layer.weight.get_value().dtype))
                     _replace(block, path, layer)
             x = run_all(block, x)
             if bar is not None:
