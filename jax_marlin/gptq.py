@@ -29,7 +29,14 @@ error over the rows not yet quantized, weighted by the inverse of
    over the group's rows: clipping a few outliers for a finer step on the
    rest (the GPTQ reference's ``mse`` option weighs the rows alike; ``H_ii``
    makes the sum the layer's output error from this group's rounding alone).
-   A scale never exceeds ``max|w| / 7.5``.
+   A symmetric scale never exceeds ``max|w| / 7.5`` (before step 7).
+6. ``zero_points=True``: ``q = clip(round(w / s) + z, 0, 15)`` with a zero
+   point ``z`` per group and column, ``s`` spanning ``[min(w, 0), max(w, 0)]``
+   in 15 steps (the clipping search shrinks that range).
+7. ``refits > 0`` repeats, that many times: fit the scales to the ``q`` just
+   chosen (for fixed ``q`` the output error ``(w - dq)^T H (w - dq)`` of a
+   column is quadratic in its scales: a least-squares solve per column over
+   its groups), then run steps 3-4 again with those scales fixed.
 
 ``act_order=True`` processes the rows by decreasing ``H_ii`` (the inputs
 with the most energy first). Groups stay the rows ``g * group_size ..`` of
@@ -88,7 +95,8 @@ def _add_rows(h, x, keep):
 
 
 def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp: float = 0.01,
-             block_size: int = 128, dtype=jnp.float16, min_clip: float = 1.0) -> MarlinWeight:
+             block_size: int = 128, dtype=jnp.float16, min_clip: float = 1.0,
+             refits: int = 0, zero_points: bool = False) -> MarlinWeight:
     """GPTQ of ``weight [k, n]`` (in x out) against ``h [k, k]`` (:func:`hessian`).
 
     Args:
@@ -102,6 +110,11 @@ def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp:
       min_clip: in (0, 1]; below 1, each group's scale is searched down to
         ``min_clip`` times the max-abs scale (step 5 of the module's
         docstring); 1: the max-abs scale.
+      refits: rounds of least-squares scales and requantization (step 7).
+      zero_points: asymmetric groups, ``(q - zero) * scale`` with a zero point
+        0..15 per group and column (the kernels' zero-point path); each
+        group's grid spans ``[min(w, 0), max(w, 0)]`` (times the clipping
+        search's ``f``) in 15 steps. ``False``: zero point 8 (symmetric).
 
     Returns:
       :class:`~jax_marlin.MarlinWeight` of logical shape ``[k, n]``, packed
@@ -123,44 +136,61 @@ def quantize(weight, h, *, group_size: int = 128, act_order: bool = False, damp:
         raise ValueError(f"damp = {damp} must be > 0 (H may be singular)")
     if not 0 < min_clip <= 1:
         raise ValueError(f"min_clip = {min_clip} must be in (0, 1]")
+    if refits < 0:
+        raise ValueError(f"refits = {refits} must be >= 0")
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float16, jnp.bfloat16):
         raise TypeError(f"dtype is {dtype}; the scales are float16 or bfloat16")
-    q, scales = _gptq(w, h, group_size, act_order, float(damp), block_size, dtype, float(min_clip))
-    return pack(q, scales, group_size=group_size, dtype=dtype)
+    q, scales, zeros = _gptq(w, h, group_size, act_order, float(damp), block_size, dtype,
+                             float(min_clip), int(refits), bool(zero_points))
+    return pack(q, scales, group_size=group_size, dtype=dtype,
+                zeros=zeros if zero_points else None)
 
 
-def _scales(w, dtype, shrinks, row_weight):
-    """Scales ``[n]`` float32 (rounded to ``dtype``) of the group ``w [rows, n]``.
+def _scales(w, dtype, shrinks, row_weight, zero_points):
+    """Scales and zero points ``[2, n]`` float32 (scales rounded to ``dtype``) of the group ``w [rows, n]``.
 
-    Each column's scale is ``f max|w| / 7.5`` for the ``f`` in ``shrinks [S]``
-    (1 first) whose rounding error ``sum_r row_weight[r] (w - dq(w))^2`` is
-    least; ``row_weight [rows]``.
+    Symmetric (``zero_points=False``): zero point 8 and scale ``f max|w| / 7.5``;
+    with zero points, the range ``[min(w, 0), max(w, 0)]`` shrunk by ``f`` in
+    15 steps and the zero point that puts 0 on the grid. For each column the
+    ``f`` of ``shrinks [S]`` (1 first) whose rounding error
+    ``sum_r row_weight[r] (w - dq(w))^2`` is least; ``row_weight [rows]``.
     """
-    s_max = jnp.max(jnp.abs(w), axis=0) / _HALF_RANGE
-    cand = shrinks[:, None] * s_max[None, :]  # [S, n]
+    if zero_points:
+        lo = jnp.minimum(jnp.min(w, axis=0), 0.0)
+        span = (jnp.maximum(jnp.max(w, axis=0), 0.0) - lo) / _MAXQ
+    else:
+        span = jnp.max(jnp.abs(w), axis=0) / _HALF_RANGE
+    cand = shrinks[:, None] * span[None, :]  # [S, n]
     cand = jnp.minimum(cand, jnp.finfo(dtype).max).astype(dtype).astype(jnp.float32)
+    if zero_points:
+        safe = jnp.where(cand == 0, 1.0, cand)
+        zeros = jnp.clip(jnp.round(-shrinks[:, None] * lo[None, :] / safe), 0, _MAXQ)
+    else:
+        zeros = jnp.full_like(cand, _ZERO_POINT)
+    cand = jnp.stack([cand, zeros], axis=1)  # [S, 2, n]
     if shrinks.shape[0] == 1:
         return cand[0]
 
-    def error(s):
-        _, dq = _round(w, s[None, :])
+    def error(sz):
+        _, dq = _round(w, sz)
         return jnp.sum(row_weight[:, None] * jnp.square(w - dq), axis=0)
 
     err = jax.lax.map(error, cand)  # [S, n]
     # argmin takes the first minimum: ties keep the larger scale.
-    return jnp.take_along_axis(cand, jnp.argmin(err, axis=0)[None, :], axis=0)[0]
+    return jnp.take_along_axis(cand, jnp.argmin(err, axis=0)[None, None, :], axis=0)[0]
 
 
-def _round(w, s):
-    """Row ``w [n]`` with scales ``s [n]`` -> ``(q [n] in 0..15, dequantized [n])``."""
-    safe = jnp.where(s == 0, 1.0, s)  # an all-zero group: q = 8
-    q = jnp.clip(jnp.round(w / safe) + _ZERO_POINT, 0, _MAXQ)
-    return q, (q - _ZERO_POINT) * s
+def _round(w, sz):
+    """``w [..., n]`` with scales and zero points ``sz [2, n]`` -> ``(q in 0..15, dequantized)``."""
+    s, z = sz[0], sz[1]
+    safe = jnp.where(s == 0, 1.0, s)  # an all-zero group: q = z
+    q = jnp.clip(jnp.round(w / safe) + z, 0, _MAXQ)
+    return q, (q - z) * s
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip, refits, zero_points):
     k, n = w.shape
     w = w.astype(jnp.float32)
     h = h.astype(jnp.float32)
@@ -178,9 +208,10 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
     # Static scales (act-order, or one group per column): from the weight as given.
     w_groups = jnp.pad(w, ((0, num_groups * g - k), (0, 0))).reshape(num_groups, g, n)
     hd_groups = jnp.pad(h_diag, (0, num_groups * g - k)).reshape(num_groups, g)
-    static_scales = jax.lax.map(lambda a: _scales(a[0], dtype, shrinks, a[1]),
-                                (w_groups, hd_groups))  # [num_groups, n]
+    static_scales = jax.lax.map(lambda a: _scales(a[0], dtype, shrinks, a[1], zero_points),
+                                (w_groups, hd_groups))  # [num_groups, 2, n]
 
+    w_given, h_given = w, h
     perm = jnp.argsort(-jnp.diag(h), stable=True) if act_order else jnp.arange(k)
     w = w[perm]
     h = h[perm][:, perm]
@@ -198,9 +229,8 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
     u = u.at[jnp.arange(k, k_pad), jnp.arange(k, k_pad)].set(1.0)
     group_of_row = jnp.pad(perm // g, (0, k_pad - k))  # padded rows: any group, w = 0
     h_pad = jnp.pad(h_diag, (0, k_pad - k))
-    lazy_scales = not act_order and group_size != -1
 
-    def block(b, carry):
+    def block(b, carry, lazy_scales, static_scales):
         w, q_all, scales_all = carry
         start = b * block_size
         w1 = jax.lax.dynamic_slice_in_dim(w, start, block_size, 0)  # [B, n]
@@ -216,7 +246,7 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
                     (j % g == 0) & (i < k),
                     lambda sa: sa.at[grp].set(_scales(
                         jax.lax.dynamic_slice_in_dim(w1, j, g, 0), dtype, shrinks,
-                        jax.lax.dynamic_slice_in_dim(h_pad, i, g, 0))),
+                        jax.lax.dynamic_slice_in_dim(h_pad, i, g, 0), zero_points)),
                     lambda sa: sa, scales_all)
                 s = scales_all[grp]
             else:
@@ -239,8 +269,49 @@ def _gptq(w, h, group_size, act_order, damp, block_size, dtype, min_clip):
         q_all = jax.lax.dynamic_update_slice_in_dim(q_all, q1, start, 0)
         return w, q_all, scales_all
 
-    q = jnp.zeros((k_pad, n), jnp.float32)
-    _, q, scales = jax.lax.fori_loop(0, k_pad // block_size, block, (w, q, static_scales))
-    # Back to the original row order.
-    q = jnp.zeros((k, n), jnp.int32).at[perm].set(q[:k].astype(jnp.int32))
-    return q, scales.astype(dtype)
+    def run(scales, lazy_scales):
+        """One GPTQ pass -> ``(q [k, n] int32 in the original row order, scales)``."""
+        q = jnp.zeros((k_pad, n), jnp.float32)
+        _, q, scales = jax.lax.fori_loop(
+            0, k_pad // block_size,
+            functools.partial(block, lazy_scales=lazy_scales, static_scales=scales),
+            (w, q, scales))
+        return jnp.zeros((k, n), jnp.int32).at[perm].set(q[:k].astype(jnp.int32)), scales
+
+    q, scales = run(static_scales, lazy_scales=not act_order and group_size != -1)
+    for _ in range(refits):
+        scales = _refit_scales(w_given, h_given, q, scales, g, dtype)
+        q, scales = run(scales, lazy_scales=False)
+    return q, scales[:, 0].astype(dtype), scales[:, 1].astype(jnp.int32)
+
+
+def _refit_scales(w, h, q, sz, g, dtype):
+    """Scales that minimise ``(w - dq)^T H (w - dq)`` per column for fixed ``q`` and zero points.
+
+    ``w [k, n]``, ``h [k, k]`` undamped, ``q [k, n]`` in 0..15, ``sz [groups,
+    2, n]`` scales and zero points of groups of ``g`` rows; returns ``sz``
+    with new scales. For column c, ``dq = A s`` with ``A [k, groups]``
+    holding ``q - zero`` in each group's rows, so the least-squares scales
+    solve ``(A^T H A) s = A^T H w``: a ``[groups, groups]`` system per column.
+    A group whose ``q`` all equal its zero point (``A^T H A`` has a zero row
+    there), or a solution that is not positive and finite, keeps its scale.
+    """
+    k, n = w.shape
+    scales, zeros = sz[:, 0], sz[:, 1]
+    num_groups = scales.shape[0]
+    pad = num_groups * g - k
+    d = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0))).reshape(num_groups, g, n)
+    d = d - zeros[:, None, :]  # padded rows: w = 0, their d is never used against w
+    d = d * (jnp.arange(num_groups * g) < k).reshape(num_groups, g, 1)
+    h4 = jnp.pad(h, ((0, pad), (0, pad))).reshape(num_groups, g, num_groups, g)
+    hd = jnp.einsum("aibj,bjc->aibc", h4, d)  # H A, by group of A's columns
+    m = jnp.einsum("aic,aibc->cab", d, hd)  # [n, groups, groups]
+    hw = jnp.pad(h @ w, ((0, pad), (0, 0))).reshape(num_groups, g, n)
+    rhs = jnp.einsum("aic,aic->ca", d, hw)  # [n, groups]
+    empty = jnp.diagonal(m, axis1=1, axis2=2) <= 0  # [n, groups]
+    eye = jnp.eye(num_groups, dtype=bool)
+    m = jnp.where(empty[:, :, None] & eye, 1.0, m)
+    rhs = jnp.where(empty, scales.T, rhs)
+    s = jnp.linalg.solve(m, rhs[..., None])[..., 0].T  # [groups, n]
+    s = jnp.minimum(s, jnp.finfo(dtype).max).astype(dtype).astype(jnp.float32)
+    return sz.at[:, 0].set(jnp.where(jnp.isfinite(s) & (s > 0), s, scales))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_marlin import gptq
 from jax_marlin.flax import MarlinLinear, quantize_model
 from jax_marlin.flax.gptq import gptq_blocks
 from jax_marlin.models import Llama, LlamaConfig
@@ -77,3 +78,64 @@ def test_gptq_blocks_filter_and_errors():
         gptq_blocks(model.layers, x[:0], run_block=run_block)
     with pytest.raises(ValueError, match="batch_size = 0"):
         gptq_blocks(model.layers, x, run_block=run_block, batch_size=0)
+
+
+PATHS = [("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"), ("mlp", "gate"),
+         ("mlp", "up"), ("mlp", "down")]
+
+
+class Hook(nnx.Module):
+    """Calls ``fn(x)`` on a layer's input, then the layer."""
+
+    def __init__(self, layer, fn):
+        self.layer = layer
+        self.fn = fn
+
+    def __call__(self, x):
+        self.fn(x)
+        return self.layer(x)
+
+
+def input_hessians(block, x):
+    """``{path: H [k, k]}`` of each projection's inputs when ``block`` runs on ``x``."""
+    seen = {}
+    for path in PATHS:
+        parent = getattr(block, path[0])
+        fn = lambda z, path=path: seen.__setitem__(path, np.asarray(gptq.hessian(z)[0]))
+        setattr(parent, path[1], Hook(getattr(parent, path[1]), fn))
+    run_block(block, x)
+    for path in PATHS:
+        parent = getattr(block, path[0])
+        setattr(parent, path[1], getattr(parent, path[1]).layer)
+    return seen
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_sequential_takes_each_hessian_from_the_quantized_stages(monkeypatch, sequential):
+    # With sequential=True each projection's H is that of its inputs in the
+    # finished (all quantized) block: o reads the quantized q, k and v, down
+    # the quantized attention, gate and up. Without it, every H is the float
+    # block's. The two differ (checked), so the test tells them apart.
+    model = correlated_model()
+    x = model.embed(jax.random.randint(jax.random.key(1), (8, 32), 0, CONFIG.vocab_size))
+    float_block = nnx.clone(model.layers[0])
+    kernels = {path: np.asarray(getattr(getattr(float_block, path[0]), path[1]).kernel[...])
+               for path in PATHS}
+    used = {}
+    quantize = gptq.quantize
+
+    def spy(weight, h, **kwargs):
+        path, = [p for p, kernel in kernels.items() if np.array_equal(kernel, weight)]
+        used[path] = np.asarray(h)
+        return quantize(weight, h, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize", spy)
+    gptq_blocks(model.layers[:1], x, run_block=run_block, group_size=32, act_order=True,
+                sequential=sequential, progress=False)
+    assert sorted(used) == sorted(PATHS)
+    quantized, floats = input_hessians(model.layers[0], x), input_hessians(float_block, x)
+    for path in PATHS:
+        np.testing.assert_allclose(used[path], (quantized if sequential else floats)[path],
+                                   rtol=1e-4, atol=1e-6, err_msg=str(path))
+    for path in [("attn", "o"), ("mlp", "down")]:
+        assert not np.allclose(quantized[path], floats[path], rtol=1e-3, atol=1e-5)

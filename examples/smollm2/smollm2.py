@@ -18,6 +18,9 @@ GPTQ_DAMP = 0.1
 GPTQ_MIN_CLIP = 0.8
 GPTQ_CALIB_SEQS = 44
 GPTQ_CALIB_LEN = 256
+GPTQ_REFITS = 0
+GPTQ_SEQUENTIAL = False
+GPTQ_ZERO_POINTS = False
 
 
 def gguf_path():
@@ -43,7 +46,8 @@ def text_tokens(tokenizer, name):
 
 
 def quantize(model, tokenizer, method, *, group_size, act_order=True, damp=GPTQ_DAMP,
-             min_clip=GPTQ_MIN_CLIP, calib_seqs=GPTQ_CALIB_SEQS, calib_len=GPTQ_CALIB_LEN):
+             min_clip=GPTQ_MIN_CLIP, refits=GPTQ_REFITS, sequential=GPTQ_SEQUENTIAL,
+             zero_points=GPTQ_ZERO_POINTS, calib_seqs=GPTQ_CALIB_SEQS, calib_len=GPTQ_CALIB_LEN):
     """Quantizes ``model``'s projections in place (``method``: none, rtn or gptq); returns seconds."""
     t0 = time.perf_counter()
     if method == "rtn":
@@ -57,7 +61,8 @@ def quantize(model, tokenizer, method, *, group_size, act_order=True, damp=GPTQ_
         out = gptq_blocks(model.layers, model.embed(calib),
                           run_block=lambda block, x: block(x)[0],
                           group_size=group_size, act_order=act_order, damp=damp,
-                          min_clip=min_clip)
+                          min_clip=min_clip, refits=refits, sequential=sequential,
+                          zero_points=zero_points)
         jax.block_until_ready(out)
     elif method != "none":
         raise ValueError(f"method must be none, rtn or gptq, got {method!r}")

@@ -32,12 +32,15 @@ __all__ = ["gptq_blocks"]
 class _Recorder(nnx.Module):
     """Stands in for an ``nnx.Linear`` while a block runs: adds its inputs to a Hessian."""
 
-    def __init__(self, linear: nnx.Linear):
+    def __init__(self, linear: nnx.Linear, calls: list):
         self.linear = linear
         self.h = None
         self.count = 0
+        self.calls = calls  # shared by a block's recorders: (recorder, input) of first calls
 
     def __call__(self, x):
+        if self.count == 0:
+            self.calls.append((self, x))
         h, self.count = gptq.hessian(x, self.h, self.count)
         self.h = nnx.data(h)
         return self.linear(x)
@@ -80,6 +83,9 @@ def gptq_blocks(
     act_order: bool = False,
     damp: float = 0.01,
     min_clip: float = 1.0,
+    refits: int = 0,
+    zero_points: bool = False,
+    sequential: bool = False,
     batch_size: int = 8,
     filter: Callable[[tuple[Any, ...], nnx.Linear], bool] | None = None,
     progress: bool | None = None,
@@ -91,7 +97,13 @@ def gptq_blocks(
       inputs: ``[batch, ...]``, the calibration input of the first block.
       run_block: ``run_block(block, x) -> y``, one block's forward pass; ``y``
         is the next block's input (same shape as ``x``).
-      group_size, act_order, damp, min_clip: as :func:`jax_marlin.gptq.quantize`.
+      group_size, act_order, damp, min_clip, refits, zero_points: as
+        :func:`jax_marlin.gptq.quantize`.
+      sequential: quantize a block's projections in stages: those that read
+        the same input (q, k and v; gate and up) together, in the order the
+        block calls them, each stage on the inputs the stages quantized before
+        it produce. ``False``: all of a block's projections on the float
+        block's inputs, from one forward pass.
       batch_size: calibration sequences per forward pass (bounds memory).
       filter: ``filter(path, linear) -> bool`` picks the projections to
         quantize (``path`` inside the block); ``None`` picks all. Subclasses
@@ -113,27 +125,52 @@ def gptq_blocks(
         outs = [run_block(block, x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)]
         return jnp.concatenate(outs, axis=0)
 
+    def record(block, x, linears):
+        """Runs ``block`` on ``x`` with ``linears`` recording -> their recorders, in call order."""
+        calls = []
+        recorders = [(path, _Recorder(linear, calls)) for path, linear in linears]
+        for path, recorder in recorders:
+            _replace(block, path, recorder)
+        try:
+            run_all(block, x)
+        finally:
+            for path, recorder in recorders:
+                _replace(block, path, recorder.linear)
+        order = {id(recorder): i for i, (recorder, _) in enumerate(calls)}
+        for path, recorder in recorders:
+            if id(recorder) not in order:
+                raise ValueError(f"run_block never called the linear layer at {path}")
+        return sorted(recorders, key=lambda pr: order[id(pr[1])]), calls
+
+    def stages_of(recorders, calls):
+        """Groups of the recorders that read the same input array, in call order."""
+        groups = []
+        for path_recorder, (_, x) in zip(recorders, calls):
+            if groups and x is groups[-1][0]:
+                groups[-1][1].append(path_recorder)
+            else:
+                groups.append((x, [path_recorder]))
+        return [group for _, group in groups]
+
     bar = _progress(len(blocks), progress)
     x = inputs
     try:
         for block in blocks:
             linears = [(path, node) for path, node in nnx.iter_graph(block)
                        if type(node) is nnx.Linear and (filter is None or filter(path, node))]
-            recorders = [(path, _Recorder(linear)) for path, linear in linears]
-            for path, recorder in recorders:
-                _replace(block, path, recorder)
-            try:
-                run_all(block, x)
-            finally:
-                for path, recorder in recorders:
-                    _replace(block, path, recorder.linear)
-            for path, recorder in recorders:
-                linear = recorder.linear
-                layer = MarlinLinear.from_linear(linear, group_size=group_size)
-                layer.weight.set_value(gptq.quantize(
-                    linear.kernel[...], recorder.h, group_size=group_size, act_order=act_order,
-                    damp=damp, min_clip=min_clip, dtype=layer.weight.get_value().dtype))
-                _replace(block, path, layer)
+            recorders, calls = record(block, x, linears)
+            stages = stages_of(recorders, calls) if sequential else [recorders]
+            for i, stage in enumerate(stages):
+                if i > 0:  # the inputs as the stages quantized before change them
+                    stage, _ = record(block, x, [(path, r.linear) for path, r in stage])
+                for path, recorder in stage:
+                    linear = recorder.linear
+                    layer = MarlinLinear.from_linear(linear, group_size=group_size)
+                    layer.weight.set_value(gptq.quantize(
+                        linear.kernel[...], recorder.h, group_size=group_size,
+                        act_order=act_order, damp=damp, min_clip=min_clip, refits=refits,
+                        zero_points=zero_points, dtype=layer.weight.get_value().dtype))
+                    _replace(block, path, layer)
             x = run_all(block, x)
             if bar is not None:
                 bar.update(1)
