@@ -10,9 +10,8 @@ at the same position to the float model's (each model continuing its own
 text, so one early difference changes the rest); teacher-forced: the
 fraction of the positions of the float model's greedy continuation where the
 model's argmax, given the float text so far, equals the float model's. The
-GPU decode speeds
-(``tokens_per_s``) come from ``bench_decode.py`` and are kept as they are in
-an existing results file.
+GPU decode speeds (``tokens_per_s``) come from ``bench_decode.py`` and are
+kept as they are in an existing results file.
 """
 
 import argparse
