@@ -2,7 +2,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
-//   ./decode_bench [--group G] [--bf16] [--zeros] [--check] [--sweep] [--chain] [--reps N] m:k:n ...
+//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep] [--chain] [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
 // the launcher picks: the decode kernel for m <= 16 on sm_90 unless
@@ -17,7 +17,9 @@
 // that repeats are bit-identical, and does so for every configuration with
 // --sweep. --zeros gives every weight copy random zero points (the layout of
 // an imported asymmetric checkpoint), to time their cost against the
-// symmetric kernels; their correctness is the GPU tests' (--check refuses it).
+// symmetric kernels; --act-order a random permutation of x's columns (an
+// imported GPTQ desc_act checkpoint). Their correctness is the GPU tests'
+// (--check refuses them).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -41,6 +43,7 @@ using bench::fill_float;
 
 bool g_bf16 = false;
 bool g_zeros = false;
+bool g_act_order = false;
 int g_group = 128;
 int g_failures = 0;
 
@@ -80,6 +83,7 @@ struct Buffers {
   void *A = nullptr, *C = nullptr, *bias = nullptr;
   int *workspace = nullptr;
   float *scratch = nullptr;
+  int *perm = nullptr;  // --act-order: one random permutation of k
 };
 
 Buffers allocate(const Case &c, cudaStream_t stream) {
@@ -108,7 +112,19 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
   fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(b.A), size_t(c.m) * c.k, 5, -1.f, 1.f, g_bf16);
   fill_float<<<64, 256, 0, stream>>>(static_cast<uint16_t *>(b.bias), c.n, 7, -0.5f, 0.5f, g_bf16);
   check(cudaMalloc(&b.workspace, marlin::workspace_size(c.m, c.n) * sizeof(int)), "cudaMalloc locks");
-  check(cudaMalloc(&b.scratch, marlin::reduce_scratch_size(c.m, c.n, c.k) * sizeof(float)), "cudaMalloc scratch");
+  check(cudaMalloc(&b.scratch, marlin::reduce_scratch_size(c.m, c.n, c.k, g_act_order) * sizeof(float)),
+        "cudaMalloc scratch");
+  if (g_act_order) {
+    std::vector<int> perm(c.k);
+    for (int i = 0; i < c.k; ++i) perm[i] = i;
+    uint64_t state = 12345;
+    for (int i = c.k - 1; i > 0; --i) {  // Fisher-Yates with a fixed LCG
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(perm[i], perm[int((state >> 33) % uint64_t(i + 1))]);
+    }
+    check(cudaMalloc(&b.perm, size_t(c.k) * sizeof(int)), "cudaMalloc perm");
+    check(cudaMemcpy(b.perm, perm.data(), size_t(c.k) * sizeof(int), cudaMemcpyHostToDevice), "perm");
+  }
   check(cudaStreamSynchronize(stream), "fill");
   return b;
 }
@@ -118,6 +134,7 @@ void release(Buffers &b) {
   for (void *p : b.s) cudaFree(p);
   for (void *p : b.z) cudaFree(p);
   cudaFree(b.A), cudaFree(b.C), cudaFree(b.bias), cudaFree(b.workspace), cudaFree(b.scratch);
+  cudaFree(b.perm);
 }
 
 // One call: marlin::matmul (config invalid) or the decode kernel with `config`.
@@ -127,10 +144,10 @@ std::string call(const Case &c, const Buffers &b, int copy, const marlin::Decode
   const void *bp = bias ? b.bias : nullptr;
   const void *z = g_zeros ? b.z[copy] : nullptr;
   if (config.valid())
-    return marlin::decode_matmul(x, b.B[copy], b.s[copy], z, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
-                                 config, true, stream);
-  return marlin::matmul(x, b.B[copy], b.s[copy], z, bp, b.C, c.m, c.n, c.k, g_group, g_bf16,
-                        b.workspace, b.scratch, stream);
+    return marlin::decode_matmul(x, b.B[copy], b.s[copy], z, b.perm, bp, b.C, c.m, c.n, c.k,
+                                 g_group, g_bf16, config, true, stream);
+  return marlin::matmul(x, b.B[copy], b.s[copy], z, b.perm, bp, b.C, c.m, c.n, c.k, g_group,
+                        g_bf16, b.workspace, b.scratch, stream);
 }
 
 // Median microseconds per call over 7 timings of `reps` calls.
@@ -254,6 +271,7 @@ int main(int argc, char **argv) {
     else if (a == "--chain") chain = true;
     else if (a == "--bf16") g_bf16 = true;
     else if (a == "--zeros") g_zeros = true;
+    else if (a == "--act-order") g_act_order = true;
     else if (a == "--group" && i + 1 < argc) g_group = std::atoi(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else {
@@ -265,16 +283,17 @@ int main(int argc, char **argv) {
       cases.push_back(c);
     }
   }
-  if (g_zeros && do_check) {
-    std::fprintf(stderr, "--check takes symmetric weights only (zero points: the GPU tests)\n");
+  if ((g_zeros || g_act_order) && do_check) {
+    std::fprintf(stderr, "--check takes symmetric weights only (zero points, act-order: the GPU tests)\n");
     return 2;
   }
   int device, sms;
   check(cudaGetDevice(&device), "device");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
   const char *env = std::getenv("JAX_MARLIN_DECODE");
-  std::printf("# %s g%d%s, launcher with JAX_MARLIN_DECODE=%s, JAX_MARLIN_PDL=%s\n",
-              g_bf16 ? "bf16" : "fp16", g_group, g_zeros ? " with zero points" : "", env ? env : "(unset)",
+  std::printf("# %s g%d%s%s, launcher with JAX_MARLIN_DECODE=%s, JAX_MARLIN_PDL=%s\n",
+              g_bf16 ? "bf16" : "fp16", g_group, g_zeros ? " with zero points" : "",
+              g_act_order ? " act-order" : "", env ? env : "(unset)",
               std::getenv("JAX_MARLIN_PDL") ? std::getenv("JAX_MARLIN_PDL") : "(unset)");
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -40,8 +40,9 @@ if has build; then
   nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
   wait
   grep -E "registers|spill" "$OUT/ptxas.txt" | sort | uniq -c
-  wait $PIP || { tail -30 "$OUT/build.log"; exit 1; }
-  (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')")
+  # (wait -n above may already have reaped pip: its log and the import tell.)
+  (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')") ||
+    { tail -30 "$OUT/build.log"; exit 1; }
 fi
 
 if has check; then
@@ -110,14 +111,18 @@ if has prefill; then
 fi
 
 if has zp; then
-  step "zero points: the launcher with random zero points against symmetric weights (fp16 g128)"
-  zc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096; do echo -n "$m:$l "; done; done)
+  step "zero points and act-order: the launcher against symmetric weights (fp16 g128)"
+  zc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done; done)
   $BIN --reps 100 $zc > "$OUT/time-sym.log" 2>&1
   $BIN --reps 100 --zeros $zc > "$OUT/time-zp.log" 2>&1
-  echo "   m      k      n   symmetric_us  zero_points_us"
+  $BIN --reps 100 --act-order $zc > "$OUT/time-ao.log" 2>&1
+  $BIN --reps 100 --zeros --act-order $zc > "$OUT/time-zp-ao.log" 2>&1
+  echo "    m      k      n  symmetric_us  zero_points_us  act_order_us  both_us"
   paste <(grep -E "^ +[0-9]" "$OUT/time-sym.log" | awk '{print $1, $2, $3, $5}') \
-        <(grep -E "^ +[0-9]" "$OUT/time-zp.log" | awk '{print $5}') |
-    awk '{printf "%5s %6s %6s %10s %10s  %+.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1)}'
+        <(grep -E "^ +[0-9]" "$OUT/time-zp.log" | awk '{print $5}') \
+        <(grep -E "^ +[0-9]" "$OUT/time-ao.log" | awk '{print $5}') \
+        <(grep -E "^ +[0-9]" "$OUT/time-zp-ao.log" | awk '{print $5}') |
+    awk '{printf "%5s %6s %6s %9s %9s %+6.1f%% %9s %+6.1f%% %9s %+6.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1), $6, 100 * ($6 / $4 - 1), $7, 100 * ($7 / $4 - 1)}' | tee "$OUT/zp.txt"
 fi
 
 if has sanitize; then

@@ -45,7 +45,8 @@ void check(cudaError_t error, const char *what) {
 
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
-  return marlin::matmul(A, B, s, nullptr, nullptr, C, m, n, k, 128, false, workspace, scratch, stream);
+  return marlin::matmul(A, B, s, nullptr, nullptr, nullptr, C, m, n, k, 128, false, workspace, scratch,
+                        stream);
 }
 
 // The same product with one thread block per output tile (grid = column
@@ -137,7 +138,7 @@ int main(int argc, char **argv) {
     check(cudaMalloc(&C, size_t(m) * n * 2), "cudaMalloc C");
     bench::fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(A), size_t(m) * k, 5, -1.f, 1.f, false);
     check(cudaMalloc(&workspace, marlin::workspace_size(m, n) * sizeof(int)), "cudaMalloc locks");
-    check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n, k) * sizeof(float)),
+    check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n, k, false) * sizeof(float)),
           "cudaMalloc scratch");
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");

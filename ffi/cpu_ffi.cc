@@ -197,12 +197,13 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
 }
 
 ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::AnyBuffer scales,
-                     ffi::Buffer<ffi::S32, 2> zeros, ffi::AnyBuffer bias,
-                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32, 1> workspace,
+                     ffi::Buffer<ffi::S32, 2> zeros, ffi::Buffer<ffi::S32, 1> perm,
+                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::ResultBuffer<ffi::S32, 1> workspace,
                      ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
                      bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, zeros, bias, *y, *workspace, *reduce_scratch,
-                           group_size);
+  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, *y, *workspace,
+                           *reduce_scratch, group_size);
   if (dims.has_error()) return dims.error();
   const int64_t m = dims->m, n = dims->n, k = dims->k;
   const bool bf16 = dims->bf16;
@@ -213,6 +214,17 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
 
   std::vector<float> xf(static_cast<size_t>(m * k));
   widen(x.untyped_data(), bf16, m * k, xf.data());
+  if (dims->has_perm) {
+    // Act-order: x's columns in the weight's stored row order. An index out
+    // of range is clamped, as the CUDA kernels do (jm.pack never writes one).
+    const int32_t *order = perm.typed_data();
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t i = 0; i < m; ++i) {
+      float *xi = xf.data() + i * k;
+      for (int64_t j = 0; j < k; ++j) row[j] = xi[std::clamp<int64_t>(order[j], 0, k - 1)];
+      std::copy(row.begin(), row.end(), xi);
+    }
+  }
   std::vector<float> bf;
   if (dims->has_bias) {
     bf.resize(static_cast<size_t>(n));
@@ -222,12 +234,12 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
   static const ScalePerms perms;
   const int64_t groups = scales.dimensions()[0];
   const int chunk = group_size == -1 ? 32 : 64;
-  const int *perm = group_size == -1 ? perms.per_column : perms.grouped;
+  const int *scale_perm = group_size == -1 ? perms.per_column : perms.grouped;
   std::vector<float> stored(static_cast<size_t>(groups * n)), sf(stored.size());
   widen(scales.untyped_data(), bf16, groups * n, stored.data());
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t base = 0; base < n; base += chunk)
-      for (int t = 0; t < chunk; ++t) sf[g * n + base + perm[t]] = stored[g * n + base + t];
+      for (int t = 0; t < chunk; ++t) sf[g * n + base + scale_perm[t]] = stored[g * n + base + t];
   // Zero points in logical order: 8 everywhere for a symmetric weight.
   std::vector<int8_t> zf(static_cast<size_t>(groups * n), 8);
   if (dims->has_zeros)

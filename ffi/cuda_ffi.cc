@@ -9,13 +9,14 @@ namespace jax_marlin {
 namespace {
 
 ffi::Error MatmulCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight,
-                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32, 2> zeros, ffi::AnyBuffer bias,
+                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32, 2> zeros,
+                      ffi::Buffer<ffi::S32, 1> perm, ffi::AnyBuffer bias,
                       ffi::Result<ffi::AnyBuffer> y,
                       ffi::ResultBuffer<ffi::S32, 1> workspace,
                       ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
                       bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, zeros, bias, *y, *workspace, *reduce_scratch,
-                           group_size);
+  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, *y, *workspace,
+                           *reduce_scratch, group_size);
   if (dims.has_error()) return dims.error();
   if (poison_output) {
     // 0xFFFF is a NaN in fp16 and in bf16.
@@ -25,7 +26,9 @@ ffi::Error MatmulCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   }
   std::string why = marlin::matmul(
       x.untyped_data(), qweight.untyped_data(), scales.untyped_data(),
-      dims->has_zeros ? zeros.untyped_data() : nullptr, dims->has_bias ? bias.untyped_data() : nullptr, y->untyped_data(), dims->m, dims->n,
+      dims->has_zeros ? zeros.untyped_data() : nullptr,
+      dims->has_perm ? perm.typed_data() : nullptr,
+      dims->has_bias ? bias.untyped_data() : nullptr, y->untyped_data(), dims->m, dims->n,
       dims->k, group_size, dims->bf16, workspace->typed_data(), reduce_scratch->typed_data(),
       stream);
   if (!why.empty()) return ffi::Error::Internal(why);

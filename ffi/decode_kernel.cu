@@ -54,6 +54,7 @@ struct DecodeParams {
   int cw, kw;        // chunks and k ranges per block
   int k_warp;        // k rows per warp
   const int *zeros;  // [k / g, n / 8] or [1, n / 8] packed zero points, or null (zero point 8)
+  const int *perm;   // [k] act-order: row j of B is x's column perm[j]; or null
 };
 
 // Rows of k that each warp's range must be a multiple of: whole groups (the
@@ -148,22 +149,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 #pragma unroll
   for (int j = 0; j < kDepth; j++)
     if (j < steps) prefetch_l2(w_ptr + int64_t(j) * w_stride);
+  // Nor does an act-order permutation: this thread's first 8 indices.
+  const int4 *perm4 = reinterpret_cast<const int4 *>(p.perm + kb0);
+  int4 perm_first[2] = {};
+  if (p.perm && int(threadIdx.x) < k_block / 8) {
+    perm_first[0] = perm4[2 * threadIdx.x];
+    perm_first[1] = perm4[2 * threadIdx.x + 1];
+  }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n");
-
-  // x rows 0..m_pad-1 of the block's k range, zero past m.
-  extern __shared__ int4 smem[];
-  const int xs_stride = k_block / 8 + 1;  // int4 per row
-  {
-    const int row_int4 = k_block / 8;
-    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
-      const int r = i / row_int4, c = i % row_int4;
-      const bool valid = r < p.m;
-      const int4 *src = p.A + (valid ? int64_t(r) * (p.k / 8) + kb0 / 8 + c : 0);
-      cp_async_zfill(&smem[r * xs_stride + c], src, valid);
-    }
-    cp_async_fence();
-  }
 
   // Weight and scale rings: step j of the window is in wq[j]; the scales of
   // the window's group q in sq[q] (thread's 8 scales: columns lane / 4 + 8 i
@@ -203,7 +197,48 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   int4 wa[kDepth], wb[kDepth];
   int4 sa[window_groups], sb[window_groups];
   int za[window_groups], zb[window_groups];
-  fill(wa, sa, za, 0);
+
+  // x rows 0..m_pad-1 of the block's k range, zero past m.
+  extern __shared__ int4 smem[];
+  const int xs_stride = k_block / 8 + 1;  // int4 per row
+  if (p.perm == nullptr) {
+    const int row_int4 = k_block / 8;
+    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
+      const int r = i / row_int4, c = i % row_int4;
+      const bool valid = r < p.m;
+      const int4 *src = p.A + (valid ? int64_t(r) * (p.k / 8) + kb0 / 8 + c : 0);
+      cp_async_zfill(&smem[r * xs_stride + c], src, valid);
+    }
+    cp_async_fence();
+    fill(wa, sa, za, 0);
+  } else {
+    // Act-order: column c of the block's range is x's column perm[kb0 + c],
+    // gathered here (x is small and in L2: the previous kernel has just
+    // written it), 8 columns of one row per thread and item so that all
+    // threads have loads in flight; the first item's indices were read
+    // before the wait. The first window's weights are requested first, so
+    // that they stream meanwhile. An index out of range is clamped.
+    fill(wa, sa, za, 0);
+    const uint16_t *a = reinterpret_cast<const uint16_t *>(p.A);
+    const int row_int4 = k_block / 8;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
+      const int r = i / row_int4, c8 = i % row_int4;
+      int4 v = make_int4(0, 0, 0, 0);
+      if (r < p.m) {
+        const bool first = i == int(threadIdx.x) && i < row_int4;  // read before the wait
+        const int4 p0 = first ? perm_first[0] : perm4[2 * c8];
+        const int4 p1 = first ? perm_first[1] : perm4[2 * c8 + 1];
+        const int col[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+        uint16_t e[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          e[j] = a[int64_t(r) * p.k + (col[j] < 0 ? 0 : col[j] >= p.k ? p.k - 1 : col[j])];
+        v = *reinterpret_cast<const int4 *>(e);
+      }
+      smem[r * xs_stride + c8] = v;
+    }
+  }
   // Per-column zero points: one row for all of k, read once.
   int z_column = 0;
   if constexpr (has_zeros && !grouped) z_column = load_stream_word(z_ptr, true);
@@ -230,6 +265,16 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   // multiply.
   auto window = [&](const int4 (&w)[kDepth], const int4 (&sg)[window_groups],
                     const int (&zg)[window_groups], int base) {
+    // The zero points' constants of the window's groups, per tile, once per
+    // window (built inside the steps they cost two LOP3s and two shifts per
+    // tile and step).
+    ZeroPoints<scalar_t> zt[window_groups][4];
+    if constexpr (has_zeros) {
+#pragma unroll
+      for (int q = 0; q < window_groups; q++)
+#pragma unroll
+        for (int t = 0; t < 4; t++) zt[q][t] = zero_points<scalar_t>(grouped ? zg[q] : z_column, t);
+    }
 #pragma unroll
     for (int j = 0; j < kDepth; j += 2) {
       if (base + j < steps) {  // steps is even
@@ -249,8 +294,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
           // Column n (h = 0) or n + 8 (h = 1) of tile t, with its zero point.
           auto dequant_column = [&](int qt, int t, int h) {
             if constexpr (has_zeros) {
-              const int zw = grouped ? zg[((j + u) / group_blocks) % window_groups] : z_column;
-              return dequant<scalar_t>(qt, zero_points<scalar_t>(zw, t), h);
+              return dequant<scalar_t>(qt, zt[grouped ? ((j + u) / group_blocks) % window_groups : 0][t], h);
             } else {
               return dequant<scalar_t>(qt);
             }
@@ -508,15 +552,15 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 }
 
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
-                          const void *bias, void *C, int64_t m, int64_t n, int64_t k,
-                          int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
+                          const int *perm, const void *bias, void *C, int64_t m, int64_t n,
+                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
                           cudaStream_t stream) {
   if (std::string why = check_decode_config(config, m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   DecodeParams p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                  static_cast<const int4 *>(s), bias, C, int(m), int(n), int(k),
                  config.cw, config.kw, int(k / (config.s * config.kw)),
-                 static_cast<const int *>(zeros)};
+                 static_cast<const int *>(zeros), perm};
   const int64_t shared = shared_bytes(config, m, k);
   if (zeros)
     return bf16 ? launch_group<nv_bfloat16, true>(group_size, p, config, shared, pdl, stream)

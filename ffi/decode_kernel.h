@@ -45,11 +45,12 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 // start while the previous kernel on the stream finishes (programmatic
 // dependent launch): it prefetches its first weights into L2, then waits for
 // that kernel before it reads anything else. `zeros` are the packed zero
-// points (marlin_kernel.h), or null for zero point 8. Returns an empty string on
-// success, otherwise a description of the failure.
+// points (marlin_kernel.h), or null for zero point 8; `perm` the act-order
+// permutation of A's columns (int32 [k]), gathered as A is loaded, or null.
+// Returns an empty string on success, otherwise a description of the failure.
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
-                          const void *bias, void *C, int64_t m, int64_t n, int64_t k,
-                          int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
+                          const int *perm, const void *bias, void *C, int64_t m, int64_t n,
+                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
                           cudaStream_t stream);
 
 }  // namespace marlin

@@ -7,11 +7,15 @@
 //   zeros     s32 [g, n / 8] or [0, 0]   4-bit zero points, 8 a word in the
 //                                   kernels' order (jax_marlin/packing.py);
 //                                   [0, 0]: zero point 8 (symmetric)
+//   perm      s32 [k] or [0]        act-order: the kernels multiply x[..., perm]
+//                                   (the weight's rows are stored in that
+//                                   order); [0]: x as it is
 //   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
 //   -> y      f16|bf16 [..., n]
 //   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA)
-//   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n, k)] fp32 partial sums
-//                      handed between thread blocks (CUDA)
+//   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n, k, act_order)] fp32
+//                      partial sums handed between thread blocks, and with a
+//                      perm the permuted x (CUDA)
 //   attrs: group_size (i64), poison_output (bool: fill y with NaN first, so
 //          tests see any element the kernel fails to write)
 //
@@ -39,6 +43,7 @@ auto bind_matmul(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32, 2>>()              // qweight
       .template Arg<ffi::AnyBuffer>()                        // scales
       .template Arg<ffi::Buffer<ffi::S32, 2>>()              // zeros
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()              // perm
       .template Arg<ffi::AnyBuffer>()                        // bias
       .template Ret<ffi::AnyBuffer>()                        // y
       .template Ret<ffi::Buffer<ffi::S32, 1>>()              // workspace
@@ -52,6 +57,7 @@ struct MatmulDims {
   bool bf16;      // element type of x, scales, bias and y
   bool has_zeros;  // zeros has [g, n / 8] elements (otherwise zero point 8)
   bool has_bias;   // bias has n elements (otherwise none)
+  bool has_perm;   // perm has k elements (otherwise x is used as it is)
 };
 
 // Re-checks at run time what jax_marlin/shapes.py checks at trace time, so a
@@ -60,6 +66,7 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
                                              const ffi::Buffer<ffi::S32, 2> &qweight,
                                              const ffi::AnyBuffer &scales,
                                              const ffi::Buffer<ffi::S32, 2> &zeros,
+                                             const ffi::Buffer<ffi::S32, 1> &perm,
                                              const ffi::AnyBuffer &bias,
                                              const ffi::AnyBuffer &y,
                                              const ffi::Buffer<ffi::S32, 1> &workspace,
@@ -93,6 +100,10 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   if (has_zeros && (zd[0] != groups || zd[1] != n / 8))
     return invalid("zeros must have shape [" + s(groups) + ", " + s(n / 8) +
                    "] or [0, 0] (zero point 8)");
+  const int64_t perm_size = perm.dimensions()[0];
+  if (perm_size != k && perm_size != 0)
+    return invalid("perm must have shape [" + s(k) + "] or [0] (no act-order)");
+  const bool has_perm = perm_size == k && k != 0;
   if (bd.size() != 1 || (bd[0] != n && bd[0] != 0))
     return invalid("bias must have shape [" + s(n) + "] or [0] (no bias)");
   bool y_ok = yd.size() == xd.size() && yd.back() == n;
@@ -101,10 +112,11 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
   if (static_cast<int64_t>(workspace.element_count()) < marlin::workspace_size(m, n))
     return invalid("workspace holds " + s(workspace.element_count()) + " int32, needs " +
                    s(marlin::workspace_size(m, n)));
-  if (static_cast<int64_t>(reduce_scratch.element_count()) < marlin::reduce_scratch_size(m, n, k))
+  const int64_t scratch = marlin::reduce_scratch_size(m, n, k, has_perm);
+  if (static_cast<int64_t>(reduce_scratch.element_count()) < scratch)
     return invalid("reduce_scratch holds " + s(reduce_scratch.element_count()) +
-                   " float32, needs " + s(marlin::reduce_scratch_size(m, n, k)));
-  return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, has_zeros, bd[0] == n};
+                   " float32, needs " + s(scratch));
+  return MatmulDims{m, n, k, dtype == ffi::DataType::BF16, has_zeros, bd[0] == n, has_perm};
 }
 
 }  // namespace jax_marlin

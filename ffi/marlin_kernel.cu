@@ -14,6 +14,7 @@
 #include "decode_kernel.h"
 #include "marlin_launch.h"
 #include "prefill_sm90.h"
+#include "scratch_sizes.h"
 
 namespace marlin {
 namespace {
@@ -48,6 +49,74 @@ const KernelPolicy &kernel_policy() {
   return policy;
 }
 
+// Act-order for the kernels that copy whole rows of A: out[r, j] = A[r,
+// perm[j]], A and out [m, k] of 16-bit values. Block (r, s) stages row r of A
+// in shared memory (16-byte loads) and writes split s of its columns, 8 (16
+// bytes) a thread, so that A is read from HBM once (the splits of a row
+// re-read it from L2) and written once, by enough blocks to fill the GPU at
+// small m. Rows longer than the shared memory a block may opt into are
+// gathered from global memory instead. An index out of range is clamped
+// (jm.pack never writes one).
+constexpr int kPermuteThreads = 256;
+constexpr int kPermuteMinSplitCols = 2048;  // columns a block writes at least
+
+template <bool staged>
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_columns(const uint16_t *A, const int *perm, uint16_t *out, int k, int split_cols) {
+  extern __shared__ int4 stage[];
+  const int64_t row = blockIdx.x;
+  const uint16_t *src = A + row * k;
+  // The first 8 indices are requested before the row, so both are in flight.
+  const int4 *perm4 = reinterpret_cast<const int4 *>(perm);
+  const int j8_first = blockIdx.y * split_cols / 8 + threadIdx.x;
+  const int end = min(k, int(blockIdx.y + 1) * split_cols);
+  int4 p_first[2] = {};
+  if (j8_first < end / 8) p_first[0] = perm4[2 * j8_first], p_first[1] = perm4[2 * j8_first + 1];
+  if constexpr (staged) {
+    const int4 *a4 = reinterpret_cast<const int4 *>(src);
+    for (int i = threadIdx.x; i < k / 8; i += kPermuteThreads) stage[i] = a4[i];
+    __syncthreads();
+    src = reinterpret_cast<const uint16_t *>(stage);
+  }
+  int4 *out4 = reinterpret_cast<int4 *>(out + row * k);
+  for (int j8 = j8_first; j8 < end / 8; j8 += kPermuteThreads) {
+    const int4 p0 = j8 == j8_first ? p_first[0] : perm4[2 * j8];
+    const int4 p1 = j8 == j8_first ? p_first[1] : perm4[2 * j8 + 1];
+    const int col[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+    uint16_t v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = src[col[e] < 0 ? 0 : col[e] >= k ? k - 1 : col[e]];
+    out4[j8] = *reinterpret_cast<const int4 *>(v);
+  }
+}
+
+std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_t k,
+                    const DeviceInfo &info, int device, cudaStream_t stream) {
+  const int64_t row_bytes = 2 * k;
+  const bool staged = row_bytes <= info.max_shared;
+  if (staged) {
+    static std::once_flag once[kMaxDevices];
+    static cudaError_t attr_error[kMaxDevices];
+    std::call_once(once[device], [&] {
+      attr_error[device] = cudaFuncSetAttribute(
+          permute_columns<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, info.max_shared);
+    });
+    if (attr_error[device]) return cuda_error("cudaFuncSetAttribute", attr_error[device]);
+  }
+  // About two blocks per SM in all, each writing whole 8-column runs.
+  int64_t splits = (2 * info.sms + m - 1) / m;
+  const int64_t most = k / kPermuteMinSplitCols > 1 ? k / kPermuteMinSplitCols : 1;
+  if (splits > most) splits = most;
+  const int64_t split_cols = (k / 8 + splits - 1) / splits * 8;
+  splits = (k + split_cols - 1) / split_cols;
+  auto *kernel = staged ? permute_columns<true> : permute_columns<false>;
+  kernel<<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, staged ? size_t(row_bytes) : 0,
+           stream>>>(static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
+                     int(split_cols));
+  if (cudaError_t error = cudaGetLastError()) return cuda_error("act-order permutation launch", error);
+  return {};
+}
+
 template <typename scalar_t, bool has_zeros>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {
@@ -70,8 +139,9 @@ std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_b
 }  // namespace
 
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
-                   const void *bias, void *C, int64_t m, int64_t n, int64_t k, int64_t group_size,
-                   bool bf16, int *workspace, float *reduce_scratch, cudaStream_t stream) {
+                   const int *perm, const void *bias, void *C, int64_t m, int64_t n, int64_t k,
+                   int64_t group_size, bool bf16, int *workspace, float *reduce_scratch,
+                   cudaStream_t stream) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -93,8 +163,16 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
                                     ? policy.forced
                                     : choose_decode_config(m, n, k, group_size, info.sms);
     if (config.valid())
-      return decode_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, config, policy.pdl,
-                           stream);
+      return decode_matmul(A, B, s, zeros, perm, bias, C, m, n, k, group_size, bf16, config,
+                           policy.pdl, stream);
+  }
+  // The other kernels copy rows of A whole: they read it permuted from the
+  // scratch, past the partial sums.
+  if (perm) {
+    void *permuted = reduce_scratch + permuted_x_offset(m, n, k);
+    if (std::string why = permute(A, perm, permuted, m, k, info, device, stream); !why.empty())
+      return why;
+    A = permuted;
   }
   if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
     return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,

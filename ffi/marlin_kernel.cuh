@@ -354,17 +354,18 @@ template <typename scalar_t> struct ZeroPoints {
   typename ScalarType<scalar_t>::T2 add;  // fp16 -(64 + z) (unused for bf16)
 };
 
-// Plain C (no asm) so that the compiler shares the work between the
-// sub-tiles and steps that read one word.
+// Callers build these once per word and tile and keep them: the LOP3s are
+// inline asm (volatile), which the compiler may not sink into the branches of
+// a loop body and rebuild there per step, as it did with plain C.
 template <typename scalar_t>
 __device__ inline ZeroPoints<scalar_t> zero_points(int word, int tile) {
   const int z = word >> (4 * tile);
   int sub, add = 0;
   if constexpr (std::is_same_v<scalar_t, half>) {
-    sub = (z & 0x000f000f) | 0x64006400;
-    add = ((z << 4) & 0x00f000f0) | 0xd400d400;
+    sub = lop3<(0xf0 & 0xcc) | 0xaa>(z, 0x000f000f, 0x64006400);
+    add = lop3<(0xf0 & 0xcc) | 0xaa>(z << 4, 0x00f000f0, 0xd400d400);
   } else {
-    sub = (z & 0x000f000f) | 0x43004300;
+    sub = lop3<(0xf0 & 0xcc) | 0xaa>(z, 0x000f000f, 0x43004300);
   }
   ZeroPoints<scalar_t> zp;
   zp.sub = *reinterpret_cast<typename ScalarType<scalar_t>::T2 *>(&sub);
@@ -829,9 +830,11 @@ Marlin(const int4 *__restrict__ A, // input matrix of shape mxk
       int b_quant = frag_b_quant[k % 2][j];
       int b_quant_shift = b_quant >> 8;
       // Column n (h = 0) or n + 8 (h = 1) of tile j, with its zero point.
+      ZeroPoints<scalar_t> zp{};
+      if constexpr (has_zeros) zp = zero_points<scalar_t>(frag_z[k % 2], j);
       auto dequant_column = [&](int q, int h) {
         if constexpr (has_zeros)
-          return dequant<scalar_t>(q, zero_points<scalar_t>(frag_z[k % 2], j), h);
+          return dequant<scalar_t>(q, zp, h);
         else
           return dequant<scalar_t>(q);
       };

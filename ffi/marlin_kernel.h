@@ -7,7 +7,9 @@
 // (group_size -1, one scale per column), in Marlin's permuted order;
 // jax_marlin/packing.py writes both. zeros are the 4-bit zero points, int32
 // [k / group_size (or 1), n / 8] in the order packing.py states, or null for
-// zero point 8. bias is [n] in A's dtype, or null.
+// zero point 8. perm (act-order) is int32 [k]: the product is then
+// A[:, perm] @ dequant(B, s, z), the weight's rows being stored in that order;
+// null for none. bias is [n] in A's dtype, or null.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,12 +23,13 @@ namespace marlin {
 
 // Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s;
 // it is zeroed on the stream before the first launch. `reduce_scratch` holds
-// reduce_scratch_size(m, n, k) floats (no initial value needed): thread blocks
-// that share an output tile sum their partial results there in fp32. Returns
+// reduce_scratch_size(m, n, k, perm != null) floats (no initial value needed):
+// thread blocks that share an output tile sum their partial results there in
+// fp32, and with a perm the permuted A is written there. Returns
 // an empty string on success, otherwise a description of the failure
 // (nothing is thrown).
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
-                   const void *bias, void *C,
+                   const int *perm, const void *bias, void *C,
                    int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                    int *workspace, float *reduce_scratch, cudaStream_t stream);
 

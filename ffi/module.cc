@@ -59,7 +59,9 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
   m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
         "int32 counters a CUDA call needs for an [m, n] output.");
   m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),
-        nb::arg("k"), "float32 partial sums a CUDA call hands between thread blocks for [m, k] x [k, n].");
+        nb::arg("k"), nb::arg("act_order") = false,
+        "float32 a CUDA call needs for [m, k] x [k, n]: partial sums handed between thread "
+        "blocks, and with act_order x in the weight's row order.");
   m.def(
       "check_group_size",
       [](int64_t g) { return marlin::is_group_size(g) ? std::string() : marlin::group_size_error(g); },

@@ -417,14 +417,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the previous stage's wgmma of (r, c) is done, while the ones after it keep
   // the tensor cores busy.
   uint32_t a[kKSteps][wg_chunks][4];
-  // Per-column zero points: one row for all of k, read once (a chunk past n,
-  // of a partial last tile, reads none: its columns are never written).
-  int z_column[wg_chunks];
+  // The dequantization's constants from the zero points of this thread's
+  // columns, per row of scales and chunk: per-column zero points (one row
+  // for all of k) are read once, here (a chunk past n, of a partial last
+  // tile, reads none: its columns are never written), grouped ones per stage.
+  ZeroPoints<scalar_t> zp[scale_rows][wg_chunks];
   if constexpr (has_zeros && group_size == -1) {
 #pragma unroll
     for (int c = 0; c < wg_chunks; ++c) {
       const int chunk = cw * wg_chunks + c;
-      z_column[c] = chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0;
+      zp[0][c] = zero_points<scalar_t>(
+          chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0, warp);
     }
   }
   for (int i = 0; i < iters; ++i) {
@@ -453,15 +456,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                    2 * (8 * (lane / 4) + 2 * warp));
     }
     // The same columns' zero points: word lane / 4 of each chunk's 8, tile
-    // `warp` (marlin_kernel.cuh, zero_points).
-    int z2[scale_rows][wg_chunks];
+    // `warp` (marlin_kernel.cuh, zero_points), built into the dequantization's
+    // constants once per stage.
     if constexpr (has_zeros && group_size != -1) {
       const uint8_t *z_stage = smem + S::z_offset + s * S::z_stage + cw * wg_chunks * 32;
 #pragma unroll
       for (int g = 0; g < scale_rows; ++g)
 #pragma unroll
         for (int c = 0; c < wg_chunks; ++c)
-          z2[g][c] = *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4));
+          zp[g][c] = zero_points<scalar_t>(
+              *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4)),
+              warp);
     }
     const uint32_t a_tile = base + S::a_offset + s * S::a_stage;
 #pragma unroll
@@ -477,8 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Column g (h = 0) or g + 8 (h = 1) of the warp's tile, with its zero point.
         auto dequant_column = [&](int qw, int h) {
           if constexpr (has_zeros) {
-            const int zw = group_size == -1 ? z_column[c] : z2[r * 16 * scale_rows / kPrefillBlockK][c];
-            return dequant<scalar_t>(qw, zero_points<scalar_t>(zw, warp), h);
+            return dequant<scalar_t>(qw, zp[r * 16 * scale_rows / kPrefillBlockK][c], h);
           } else {
             return dequant<scalar_t>(qw);
           }

@@ -53,9 +53,11 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
       zero points (one rounding of each weight, as with zero point 8), so
       ``y`` is rounded once as for a symmetric weight; the zero points add
       ``n k / (2 g)`` bytes to the weight's read (0.8% at ``g = 128``).
-    * act-order: ``x[..., perm]``, a gather of the activations that XLA
-      fuses with the padding of ``x`` (``m k`` elements; no pass over the
-      weight).
+    * act-order: the kernels multiply ``x[..., perm]`` (the weight's rows
+      are stored sorted by group): at ``m <= 16`` the CUDA decode kernel
+      gathers ``x`` as it loads it, otherwise the call first writes the
+      permuted ``x`` into its scratch (``m k`` elements read and written
+      once; no pass over the weight).
     """
     return _matmul(x, w, bias, poison_output=False)
 
@@ -131,28 +133,30 @@ def _padded_matmul(*operands, weight_tree, poison_output: bool) -> jax.Array:
     """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns."""
     x, *leaves, bias = operands
     w = jax.tree.unflatten(weight_tree, leaves)
-    if w.perm is not None:
-        x = _act_order(x, w.perm)
     if w.k_pad > w.k:  # zero activations meet the zero rows of the padded weight
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
     if bias.shape != (0,) and w.n_pad > w.n:
         bias = jnp.pad(bias, (0, w.n_pad - w.n))
     zeros = jnp.zeros((0, 0), jnp.int32) if w.zeros is None else w.zeros  # [0, 0]: none
-    y = partitioning.matmul(x, w.qweight, w.scales, zeros, bias, w.k_pad, w.n_pad,
-                            w.group_size, poison_output, w.perm is not None)
+    perm = jnp.zeros((0,), jnp.int32) if w.perm is None else _padded_perm(w)  # [0]: none
+    y = partitioning.matmul(x, w.qweight, w.scales, zeros, perm, bias, w.k_pad, w.n_pad,
+                            w.group_size, poison_output)
     return y[..., :w.n] if w.n_pad > w.n else y
 
 
 # --- act-order -------------------------------------------------------------------------
 
 
-def _act_order(x, perm):
-    """``x [..., k]`` in the weight's stored row order: ``x[..., perm]``.
+def _padded_perm(w: MarlinWeight) -> jax.Array:
+    """``w.perm [k]`` extended to ``[k_pad]``: the padded rows keep their place.
 
-    ``perm`` is a permutation of ``0 .. k - 1`` (``jm.pack`` builds it), so the
-    gather needs no out-of-bounds fill (XLA clamps indices in any case).
+    ``perm`` is a permutation of ``0 .. k - 1`` (``jm.pack`` builds it); the
+    kernels clamp an index out of range rather than read past ``x``.
     """
-    return x.at[..., perm].get(mode="promise_in_bounds", unique_indices=True)
+    perm = w.perm.astype(jnp.int32)
+    if w.k_pad > w.k:
+        perm = jnp.concatenate([perm, jnp.arange(w.k, w.k_pad, dtype=jnp.int32)])
+    return perm
 
 
 # Eager binds run through jit, so that eager calls on sharded arrays are

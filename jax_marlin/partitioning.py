@@ -264,21 +264,19 @@ def _layout_error(k: int, n: int, group_size: int, k_axes, n_axes, mesh_shape) -
 # --- the partitioned op ------------------------------------------------------------
 
 
-def _full_matmul(x, qweight, scales, zeros, bias, k, n, group_size, poison_output, act_order):
+def _full_matmul(x, qweight, scales, zeros, perm, bias, k, n, group_size, poison_output):
     # The unpartitioned computation: what runs on one device, eagerly, and what
-    # the partitioner's shapes are derived from. act_order only decides which
-    # layouts are refused (an act-order weight is never split along k).
-    del act_order
-    return marlin_matmul_p.bind(x, qweight, scales, zeros, bias, k=k, n=n,
+    # the partitioner's shapes are derived from.
+    return marlin_matmul_p.bind(x, qweight, scales, zeros, perm, bias, k=k, n=n,
                                 group_size=group_size, poison_output=poison_output)
 
 
-def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_types,
-                   result_types):
-    """The Shardy rule for ``(x [..., k], qweight, scales, zeros, bias) -> y [..., n]`` (module doc)."""
-    del poison_output, act_order, mesh, result_types
+def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_types):
+    """The Shardy rule for ``(x [..., k], qweight, scales, zeros, perm, bias) -> y [..., n]``
+    (module doc)."""
+    del poison_output, mesh, result_types
     has_zeros = _has_elements(operand_types[3])
-    has_bias = _has_elements(operand_types[4])
+    has_bias = _has_elements(operand_types[5])
     k_rows = CompoundFactor("k_blocks", "k_rows", "k_tile")
     q_rows = CompoundFactor("k_blocks", "k_rows")
     y_cols = CompoundFactor("n_chunks", "n_cols")
@@ -304,6 +302,10 @@ def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_typ
     else:  # the empty [0, 0] placeholder
         zeros = ArrayMapping("no_zero_rows", "no_zero_cols")
         replicated += ("no_zero_rows", "no_zero_cols")
+    # An act-order perm indexes all of x's k: replicated (_choose_layout
+    # refuses k sharding for such a weight).
+    perm = ArrayMapping("perm_rows")
+    replicated += ("perm_rows",)
     if has_bias:
         bias = ArrayMapping(y_cols)
     else:  # the empty [0] placeholder: nothing to shard
@@ -313,7 +315,7 @@ def _sharding_rule(k, n, group_size, poison_output, act_order, mesh, operand_typ
     # the order listed above.
     return SdyShardingRule(
         operand_mappings=(ArrayMapping(BATCHING, k_rows), ArrayMapping(q_rows, q_cols), scales,
-                          zeros, bias),
+                          zeros, perm, bias),
         result_mappings=(ArrayMapping(BATCHING, y_cols),),
         reduction_factors=("k_blocks",),
         need_replication_factors=replicated,
@@ -364,7 +366,7 @@ def _choose_layout(k, n, group_size, act_order, mesh, x_sharding, q_sharding, x_
 
 def _has_elements(operand_type) -> bool:
     """Whether an optional operand (an aval, a ShapeDtypeStruct or an MLIR type) is not the
-    empty placeholder (bias ``[0]``, zeros ``[0, 0]``)."""
+    empty placeholder (bias ``[0]``, zeros ``[0, 0]``, perm ``[0]``)."""
     shape = (operand_type.shape if hasattr(operand_type, "shape")
              else ir.RankedTensorType(operand_type).shape)
     return shape[0] > 0
@@ -376,25 +378,27 @@ def _shardings(mesh, group_size, batch, k_axes, n_axes, has_zeros, has_bias):
     args = (NamedSharding(mesh, PartitionSpec(*batch, k_entry)),
             NamedSharding(mesh, q_spec), NamedSharding(mesh, s_spec),
             NamedSharding(mesh, s_spec if has_zeros else PartitionSpec(None, None)),
+            NamedSharding(mesh, PartitionSpec(None)),
             NamedSharding(mesh, PartitionSpec(n_entry if has_bias else None)))
     return args, NamedSharding(mesh, PartitionSpec(*batch, n_entry))
 
 
-def _partition(k, n, group_size, poison_output, act_order, mesh, arg_shapes, result_shape):
+def _partition(k, n, group_size, poison_output, mesh, arg_shapes, result_shape):
     """Per-shard computation: the kernel on ``[k_local, n_local]``, psum over ``k``'s axes."""
     del result_shape
-    x, qweight, _, zeros, bias = arg_shapes
+    x, qweight, _, zeros, perm, bias = arg_shapes
     has_zeros, has_bias = _has_elements(zeros), _has_elements(bias)
-    batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
-                                           qweight.sharding, x.ndim, warn=True)
+    batch, k_axes, n_axes = _choose_layout(k, n, group_size, _has_elements(perm), mesh,
+                                           x.sharding, qweight.sharding, x.ndim, warn=True)
     k_local = k // _shards(k_axes, mesh.shape)
     n_local = n // _shards(n_axes, mesh.shape)
 
-    def local(x, qweight, scales, zeros, bias):
+    def local(x, qweight, scales, zeros, perm, bias):
         # Row parallel: every shard's kernel runs without the bias, which is
         # added once to the all-reduced sum.
         fused_bias = jnp.zeros((0,), x.dtype) if k_axes else bias
-        y = marlin_matmul_p.bind(x, qweight, scales, zeros, fused_bias, k=k_local, n=n_local,
+        y = marlin_matmul_p.bind(x, qweight, scales, zeros, perm, fused_bias, k=k_local,
+                                 n=n_local,
                                  group_size=group_size, poison_output=poison_output)
         if k_axes:
             # Add the float16 partial products (module doc: precision).
@@ -408,19 +412,19 @@ def _partition(k, n, group_size, poison_output, act_order, mesh, arg_shapes, res
     return mesh, local, result_sharding, arg_shardings
 
 
-def _infer_sharding_from_operands(k, n, group_size, poison_output, act_order, mesh, arg_shapes,
+def _infer_sharding_from_operands(k, n, group_size, poison_output, mesh, arg_shapes,
                                   result_shape):
     # Only used by the GSPMD partitioner (jax_use_shardy_partitioner=False);
     # _partition warns about the same layout.
     del poison_output, result_shape
-    x, qweight, _, zeros, bias = arg_shapes
-    batch, k_axes, n_axes = _choose_layout(k, n, group_size, act_order, mesh, x.sharding,
-                                           qweight.sharding, x.ndim, warn=False)
+    x, qweight, _, zeros, perm, bias = arg_shapes
+    batch, k_axes, n_axes = _choose_layout(k, n, group_size, _has_elements(perm), mesh,
+                                           x.sharding, qweight.sharding, x.ndim, warn=False)
     return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_elements(zeros),
                       _has_elements(bias))[1]
 
 
-_partitioned = custom_partitioning(_full_matmul, static_argnums=(5, 6, 7, 8, 9))
+_partitioned = custom_partitioning(_full_matmul, static_argnums=(6, 7, 8, 9))
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer_sharding_from_operands,
@@ -431,14 +435,14 @@ _partitioned.def_partition(
 # --- entry ---------------------------------------------------------------------------
 
 
-def matmul(x, qweight, scales, zeros, bias, k: int, n: int, group_size: int,
-           poison_output: bool, act_order: bool) -> jax.Array:
+def matmul(x, qweight, scales, zeros, perm, bias, k: int, n: int, group_size: int,
+           poison_output: bool) -> jax.Array:
     """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
 
     ``k``, ``n`` are the padded sizes; ``zeros`` is ``[groups, n // 8]`` int32
-    or ``[0, 0]`` (zero point 8), ``bias`` is ``[n]`` or ``[0]`` (no bias). ``jm.matmul`` calls this after it has checked and padded its
-    arguments (and put ``x`` in an act-order weight's row order:
-    ``act_order`` then refuses a weight sharded along ``k``).
+    or ``[0, 0]`` (zero point 8), ``perm`` is ``[k]`` int32 (an act-order
+    weight: the kernel multiplies ``x[..., perm]``; such a weight is never
+    split along ``k``) or ``[0]``, ``bias`` is ``[n]`` or ``[0]`` (no bias).
+    ``jm.matmul`` calls this after it has checked and padded its arguments.
     """
-    return _partitioned(x, qweight, scales, zeros, bias, k, n, group_size, poison_output,
-                        act_order)
+    return _partitioned(x, qweight, scales, zeros, perm, bias, k, n, group_size, poison_output)

@@ -48,9 +48,10 @@ def workspace_size(m: int, n: int) -> int:
     return rules.workspace_size(m, n)
 
 
-def reduce_scratch_size(m: int, n: int, k: int) -> int:
-    """float32 partial sums a CUDA call hands between thread blocks for ``[m, k] x [k, n]``."""
-    return rules.reduce_scratch_size(m, n, k)
+def reduce_scratch_size(m: int, n: int, k: int, act_order: bool = False) -> int:
+    """float32 a CUDA call needs for ``[m, k] x [k, n]``: the partial sums handed between
+    thread blocks, and for an act-order weight room for ``x`` in the weight's row order."""
+    return rules.reduce_scratch_size(m, n, k, act_order)
 
 
 def _check_ints(**values) -> None:
@@ -124,15 +125,17 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
 
 
 def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
-                   zeros_shape, zeros_dtype, bias_shape, bias_dtype, *, k: int, n: int,
-                   group_size: int) -> None:
+                   zeros_shape, zeros_dtype, perm_shape, perm_dtype, bias_shape, bias_dtype, *,
+                   k: int, n: int, group_size: int) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 
     Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
     ``scales [k // group_size, n]`` (``[1, n]`` for -1) and ``bias [n]`` or
     ``[0]`` (no bias), both in ``x``'s dtype, ``zeros [k // group_size, n //
     8] int32`` (the scales' rows, 8 packed zero points per word) or ``[0, 0]``
-    (zero point 8). ``k``, ``n`` are the padded sizes the kernel sees.
+    (zero point 8), ``perm [k] int32`` (act-order: the kernel multiplies
+    ``x[..., perm]``) or ``[0]``. ``k``, ``n`` are the padded sizes the kernel
+    sees.
     """
     _check_ints(k=k, n=n, group_size=group_size)
     check_dtypes(x_dtype, scales_dtype, bias_dtype)
@@ -163,5 +166,10 @@ def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape,
         raise ValueError(f"zeros.shape = {tuple(zeros_shape)}, expected {expected_z} (the "
                          f"scales' {expected_s[0]} rows by n // 8 = {n // 8} words for n = {n}) "
                          f"or (0, 0) (zero point 8)")
+    if np.dtype(perm_dtype) != np.int32:
+        raise TypeError(f"perm.dtype is {np.dtype(perm_dtype).name}, expected int32")
+    if tuple(perm_shape) not in ((k,), (0,)):
+        raise ValueError(f"perm.shape = {tuple(perm_shape)}, expected ({k},) (act-order, the "
+                         f"padded k) or (0,) (none)")
     if tuple(bias_shape) not in ((n,), (0,)):
         raise ValueError(f"bias.shape = {tuple(bias_shape)}, expected ({n},) or (0,) (no bias)")

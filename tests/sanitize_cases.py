@@ -1,7 +1,8 @@
 """Runs the Marlin kernel over every tile configuration, both dtypes, every
 group size, a fused bias, padded odd shapes and awkward batch sizes, and
-weights with zero points on the decode, Marlin and prefill kernels, for
-compute-sanitizer (benchmarks/gpu_run.sh, stage sanitize).
+weights with zero points or act-order on the decode, Marlin and prefill
+kernels, for compute-sanitizer (benchmarks/gpu_run.sh, stage sanitize).
+``python sanitize_cases.py zeros`` (or ``act-order``) runs those cases alone.
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -56,15 +57,26 @@ ZERO_POINT_CASES = [
 ]
 
 
-def zero_point_weight(k, n, group_size, dtype, act_order):
+# Act-order weights without zero points: the decode kernel's gather (m <= 16),
+# the permutation pass before the Marlin and prefill kernels, staged in shared
+# memory or, for rows longer than it holds (k = 131072), gathered from global
+# memory; a padded shape.
+ACT_ORDER_CASES = [
+    (4096, 1024, 128, F16, True, [1, 9, 16, 17, 64, 100]),
+    (131072, 128, 128, BF16, False, [1, 17, 64]),
+    (1000, 576, 32, F16, True, [1, 40, 100]),
+]
+
+
+def imported_weight(k, n, group_size, dtype, zeros, act_order):
     kq, kz, ks, kg = jax.random.split(key, 4)
     groups = 1 if group_size == -1 else -(-k // group_size)
     q = jax.random.randint(kq, (k, n), 0, 16)
-    zeros = jax.random.randint(kz, (groups, n), 0, 16)
+    z = jax.random.randint(kz, (groups, n), 0, 16) if zeros else None
     scales = jax.random.uniform(ks, (groups, n), minval=0.03, maxval=0.1).astype(dtype)
     rows = k if group_size == -1 else group_size
     g_idx = jax.random.permutation(kg, jnp.arange(k) // rows) if act_order else None
-    return jm.pack(q, scales, group_size, zeros=zeros, g_idx=g_idx)
+    return jm.pack(q, scales, group_size, zeros=z, g_idx=g_idx)
 
 
 @jax.jit
@@ -75,15 +87,17 @@ def run(x, w, bias):
 key = jax.random.key(0)
 bad = 0
 total = 0
-# `python sanitize_cases.py zeros`: the zero-point cases only.
-first = len(CASES) if sys.argv[1:] == ["zeros"] else 0
-for i, (k, n, group_size, dtype, with_bias, ms) in enumerate(CASES + ZERO_POINT_CASES):
-    if i < first:
-        continue
-    if i < len(CASES):
+mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+cases = {"all": CASES + ZERO_POINT_CASES + ACT_ORDER_CASES, "zeros": ZERO_POINT_CASES,
+         "act-order": ACT_ORDER_CASES}[mode]
+for k, n, group_size, dtype, with_bias, ms in cases:
+    case = (k, n, group_size, dtype, with_bias, ms)
+    if case in CASES:
         w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
-    else:  # act-order on the first
-        w = zero_point_weight(k, n, group_size, dtype, act_order=i == len(CASES))
+    elif case in ZERO_POINT_CASES:  # act-order on the first
+        w = imported_weight(k, n, group_size, dtype, True, case == ZERO_POINT_CASES[0])
+    else:
+        w = imported_weight(k, n, group_size, dtype, False, True)
     bias = jax.random.normal(key, (n,), dtype) if with_bias else None
     for m in ms:
         x = jax.random.normal(key, (m, k), dtype)

@@ -507,6 +507,33 @@ def test_zero_points_with_act_order_match_float64(rng, layer, m):
     check_zero_points(rng, layer, m, "float16", act_order=True, bias=True)
 
 
+# Act-order without zero points on every path: the decode kernel gathers x as
+# it loads it (m <= 16), the other kernels read it from the permutation pass,
+# which stages a row in shared memory (up to the 227 KB a block may have on
+# the H200: k <= 116224) or gathers it from global memory (k = 131072);
+# 1000 x 576 and 4100 x 130 are padded.
+AO_LAYERS = [(4096, 4096, 128), (28672, 1024, 128), (131072, 128, 128), (1000, 576, 32),
+             (4100, 130, 64)]
+AO_MS = [1, 5, 16, 17, 40, 64, 100, 256]
+
+
+@functools.lru_cache(maxsize=None)
+def act_order_weight(k, n, group_size, dtype):
+    rng = np.random.default_rng(k * 7 + n * 13 + group_size)
+    return imported_weight(rng, k, n, group_size, zeros=False, act_order=True,
+                           dtype=jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("m", AO_MS)
+@pytest.mark.parametrize("layer", AO_LAYERS, ids=layer_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_act_order_matches_float64(rng, dtype, layer, m):
+    w, weight = act_order_weight(*layer, dtype)
+    assert w.zeros is None and w.perm is not None
+    check_against_float64(rng, w, weight, m, bias=m % 2 == 1)
+
+
 @pytest.mark.parametrize("m", [1, 9, 17, 64, 256])
 @pytest.mark.parametrize("layer", [(4096, 4096, 128), (28672, 1024, -1), (576, 1000, 64)],
                          ids=layer_id)
@@ -554,6 +581,7 @@ def test_handler_rechecks_buffers(rng):
     x = jnp.asarray(activations(rng, "float16", 4, 1024))
     no_bias = jnp.zeros((0,), jnp.float16)
     no_zeros = jnp.zeros((0, 0), jnp.int32)
+    no_perm = jnp.zeros((0,), jnp.int32)
     ws_size, rs_size = jm.shapes.workspace_size(4, 512), jm.shapes.reduce_scratch_size(4, 512, 1024)
     assert rs_size == 16 * 512  # one 16-row block of fp32 partial sums
     assert ws_size == 512 // 64  # one lock per 64 columns of the one 16-row block
@@ -565,23 +593,50 @@ def test_handler_rechecks_buffers(rng):
         f = jax.ffi.ffi_call("jax_marlin_matmul", results)
         return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
 
-    y, _, _ = call(x, w.qweight, w.scales, no_zeros, no_bias)  # the consistent call runs
+    y, _, _ = call(x, w.qweight, w.scales, no_zeros, no_perm, no_bias)  # the consistent call runs
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
     cases = [
-        (dict(args=(x, w.qweight, w.scales[:2], no_zeros, no_bias)), "scales must have shape"),
-        (dict(args=(x, w.qweight, w.scales, no_zeros, jnp.zeros(7, jnp.float16))), "bias must have shape"),
-        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_zeros, no_bias)), "one dtype"),
-        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
-        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_zeros, no_bias)), "float16 or bfloat16"),
-        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), workspace=ws_size - 1), "workspace holds"),
-        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), scratch=rs_size - 1),
+        (dict(args=(x, w.qweight, w.scales[:2], no_zeros, no_perm, no_bias)), "scales must have shape"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_perm, jnp.zeros(7, jnp.float16))), "bias must have shape"),
+        (dict(args=(x, w.qweight, w.scales.astype(jnp.bfloat16), no_zeros, no_perm, no_bias)), "one dtype"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_perm, no_bias), y_dtype=jnp.bfloat16), "one dtype"),
+        (dict(args=(x.astype(jnp.float32), w.qweight, w.scales, no_zeros, no_perm, no_bias)), "float16 or bfloat16"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_perm, no_bias), workspace=ws_size - 1), "workspace holds"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_perm, no_bias), scratch=rs_size - 1),
          "reduce_scratch holds"),
-        (dict(args=(x, w.qweight, w.scales, no_zeros, no_bias), group_size=96), "group_size = 96 is not supported"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros((7, 64), jnp.int32), no_bias)),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, no_perm, no_bias), group_size=96), "group_size = 96 is not supported"),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((7, 64), jnp.int32), no_perm, no_bias)),
          r"zeros must have shape \[8, 64\] or \[0, 0\]"),
-        (dict(args=(x, w.qweight, w.scales, jnp.zeros((8, 63), jnp.int32), no_bias)),
+        (dict(args=(x, w.qweight, w.scales, jnp.zeros((8, 63), jnp.int32), no_perm, no_bias)),
          r"zeros must have shape \[8, 64\] or \[0, 0\]"),
+        (dict(args=(x, w.qweight, w.scales, no_zeros, jnp.zeros(1000, jnp.int32), no_bias)),
+         r"perm must have shape \[1024\] or \[0\]"),
+        # An act-order call needs room for the permuted x in its scratch.
+        (dict(args=(x, w.qweight, w.scales, no_zeros, jnp.arange(1024, dtype=jnp.int32), no_bias)),
+         "reduce_scratch holds"),
     ]
     for kwargs, match in cases:
         with pytest.raises(Exception, match=match):
             call(*kwargs.pop("args"), **kwargs)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m", [4, 80])  # CUDA: the decode kernel's gather, the permutation pass
+def test_handler_clamps_perm(rng, m, platform):
+    # An act-order index out of range is clamped, never read past x: the
+    # Python API builds only permutations, but the FFI target may be called
+    # directly.
+    k, n = 1024, 512
+    w = jm.quantize(random_weight(rng, k, n), group_size=128)
+    x = jnp.asarray(activations(rng, "float16", m, k))
+    perm = rng.permutation(k).astype(np.int32)
+    perm[:3] = [-7, k, 2**30]
+    results = (jax.ShapeDtypeStruct((m, n), jnp.float16),
+               jax.ShapeDtypeStruct((jm.shapes.workspace_size(m, n),), jnp.int32),
+               jax.ShapeDtypeStruct((jm.shapes.reduce_scratch_size(m, n, k, True),), jnp.float32))
+    f = jax.ffi.ffi_call("jax_marlin_matmul", results)
+    assert x.devices() == {jax.devices(platform)[0]}
+    y, _, _ = f(x, w.qweight, w.scales, jnp.zeros((0, 0), jnp.int32), jnp.asarray(perm),
+                jnp.zeros((0,), jnp.float16), group_size=128, poison_output=True)
+    expected = jm.matmul(x[:, np.clip(perm, 0, k - 1)], w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))

@@ -51,6 +51,10 @@ def test_scratch_sizes(m, n):
     else:
         assert shapes.workspace_size(m, n) == max(locks, -(-m // 64) * -(-n // 128))
         assert shapes.reduce_scratch_size(m, n, k) >= scratch
+    # Act-order: room for x in the weight's row order (m k 16-bit values)
+    # after the partial sums, from a 32-byte boundary.
+    partials = shapes.reduce_scratch_size(m, n, k)
+    assert shapes.reduce_scratch_size(m, n, k, True) == -(-partials // 8) * 8 + m * k // 2
 
 
 @pytest.mark.parametrize("k,n,group_size,match", [
@@ -69,22 +73,37 @@ def test_check_layer_names_the_dimension(k, n, group_size, match):
 
 def test_check_operands_limits_m():
     shapes.check_operands((4, 128), "float16", (8, 256), "int32", (1, 128), "float16", (0, 0),
-                          "int32", (0,), "float16", k=128, n=128, group_size=128)
+                          "int32", (0,), "int32", (0,), "float16", k=128, n=128, group_size=128)
     with pytest.raises(ValueError, match=r"m = 2147483648 rows of x are too many"):
         shapes.check_operands((2**31, 128), "float16", (8, 256), "int32", (1, 128), "float16",
-                              (0, 0), "int32", (0,), "float16", k=128, n=128, group_size=128)
+                              (0, 0), "int32", (0,), "int32", (0,), "float16", k=128, n=128,
+                              group_size=128)
 
 
 def test_check_operands_zeros():
     # Zero points: the scales' rows by n // 8 words of int32, or [0, 0] (none).
     args = ((4, 256), "float16", (16, 256), "int32", (2, 128), "float16")
-    shapes.check_operands(*args, (2, 16), "int32", (0,), "float16", k=256, n=128, group_size=128)
+    no_perm = ((0,), "int32")
+    shapes.check_operands(*args, (2, 16), "int32", *no_perm, (0,), "float16", k=256, n=128,
+                          group_size=128)
     with pytest.raises(ValueError, match=r"zeros.shape = \(2, 128\), expected \(2, 16\) \(the "
                                          r"scales' 2 rows by n // 8 = 16 words for n = 128\)"):
-        shapes.check_operands(*args, (2, 128), "int32", (0,), "float16", k=256, n=128,
+        shapes.check_operands(*args, (2, 128), "int32", *no_perm, (0,), "float16", k=256, n=128,
                               group_size=128)
     with pytest.raises(TypeError, match=r"zeros.dtype is uint8, expected int32"):
-        shapes.check_operands(*args, (2, 16), "uint8", (0,), "float16", k=256, n=128,
+        shapes.check_operands(*args, (2, 16), "uint8", *no_perm, (0,), "float16", k=256, n=128,
+                              group_size=128)
+
+
+def test_check_operands_perm():
+    # Act-order: one int32 index per row of the padded k, or [0] (none).
+    args = ((4, 256), "float16", (16, 256), "int32", (2, 128), "float16", (0, 0), "int32")
+    shapes.check_operands(*args, (256,), "int32", (0,), "float16", k=256, n=128, group_size=128)
+    with pytest.raises(ValueError, match=r"perm.shape = \(200,\), expected \(256,\)"):
+        shapes.check_operands(*args, (200,), "int32", (0,), "float16", k=256, n=128,
+                              group_size=128)
+    with pytest.raises(TypeError, match=r"perm.dtype is int64, expected int32"):
+        shapes.check_operands(*args, (256,), "int64", (0,), "float16", k=256, n=128,
                               group_size=128)
 
 
