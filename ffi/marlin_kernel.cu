@@ -22,8 +22,8 @@ namespace {
 // Which kernels the launcher may pick on sm_90, for measurements against the
 // Marlin kernel: JAX_MARLIN_DECODE=0 keeps m <= 16 off the decode kernel, and
 // "cw,kw,s" forces a decode configuration; JAX_MARLIN_PREFILL=0 keeps m >= 64
-// off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode kernel's
-// programmatic dependent launch off. Read once per process.
+// off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode and prefill
+// kernels' programmatic dependent launch off. Read once per process.
 struct KernelPolicy {
   bool decode = true;
   bool prefill = true;
@@ -63,6 +63,9 @@ constexpr int kPermuteMinSplitCols = 2048;  // columns a block writes at least
 template <bool staged>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_columns(const uint16_t *A, const int *perm, uint16_t *out, int k, int split_cols) {
+  // The kernel after this one (launched with programmatic dependent launch)
+  // may start now: it reads nothing this one writes before it waits for it.
+  asm volatile("griddepcontrol.launch_dependents;\n");
   extern __shared__ int4 stage[];
   const int64_t row = blockIdx.x;
   const uint16_t *src = A + row * k;
@@ -117,6 +120,17 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
   return {};
 }
 
+// Act-order at m <= 16: whether the decode kernel gathers x itself (an L2
+// round trip for the indices, then one per 8 columns of a row, on the
+// kernel's critical path) rather than read it from the permutation pass (a
+// second launch, which the decode kernel's weight prefetch overlaps). Measured
+// on an H200 (decode_bench --act-order, the 70B and 8B layers at m = 1, 4,
+// 16; benchmarks/NOTES.md): the gather wins at m <= 2 on layers of up to 32M
+// weights and at m = 4 on the 28672-deep layer, the pass elsewhere or ties.
+bool decode_gathers(int64_t m, int64_t n, int64_t k) {
+  return (m <= 2 && k * n <= (int64_t(32) << 20)) || (m > 2 && m <= 8 && k > 16384);
+}
+
 template <typename scalar_t, bool has_zeros>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {
@@ -158,25 +172,26 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   // scratch) where it was measured faster, and batches of 64 rows and more
   // on the wgmma prefill kernel.
   const KernelPolicy &policy = kernel_policy();
-  if (info.major == 9 && m <= kDecodeMaxM && policy.decode) {
-    const DecodeConfig config = policy.forced.valid()
-                                    ? policy.forced
-                                    : choose_decode_config(m, n, k, group_size, info.sms);
-    if (config.valid())
-      return decode_matmul(A, B, s, zeros, perm, bias, C, m, n, k, group_size, bf16, config,
-                           policy.pdl, stream);
-  }
-  // The other kernels copy rows of A whole: they read it permuted from the
-  // scratch, past the partial sums.
-  if (perm) {
+  DecodeConfig decode;
+  if (info.major == 9 && m <= kDecodeMaxM && policy.decode)
+    decode = policy.forced.valid() ? policy.forced
+                                   : choose_decode_config(m, n, k, group_size, info.sms);
+  // Act-order: x in the weight's row order, gathered by the decode kernel
+  // as it loads x, or otherwise written by a pass into the scratch, past
+  // the partial sums (the next kernel starts during it: PDL).
+  if (perm && !(decode.valid() && decode_gathers(m, n, k))) {
     void *permuted = reduce_scratch + permuted_x_offset(m, n, k);
     if (std::string why = permute(A, perm, permuted, m, k, info, device, stream); !why.empty())
       return why;
     A = permuted;
+    perm = nullptr;
   }
+  if (decode.valid())
+    return decode_matmul(A, B, s, zeros, perm, bias, C, m, n, k, group_size, bf16, decode,
+                         policy.pdl, stream);
   if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
     return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,
-                          reduce_scratch, stream);
+                          reduce_scratch, stream, policy.pdl);
 
   // The locks must be zero when the kernel starts; each launch leaves them at
   // zero again, so one memset per call covers every launch below. The fp32

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "marlin_launch.h"
 #include "prefill_sm90.cuh"
@@ -64,7 +65,7 @@ std::string encode_a_map(CUtensorMap *map, const void *A, int64_t m, int64_t k, 
 
 template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros>
 std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, int device,
-                   int max_shared, cudaStream_t stream) {
+                   int max_shared, bool pdl, cudaStream_t stream) {
   constexpr int bytes = prefill::Smem<block_m, block_n, has_zeros>::bytes;
   auto *kernel = prefill::prefill_kernel<scalar_t, block_m, block_n, group_size, has_zeros>;
   if (bytes > max_shared)
@@ -90,8 +91,22 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
     return "jax_marlin: the prefill kernel was not built for sm_90a (the device runs an sm_" +
            std::to_string(image[device]) +
            " image); build with -gencode=arch=compute_90a,code=sm_90a";
-  const dim3 grid((args.m + block_m - 1) / block_m, (args.n + block_n - 1) / block_n, args.splits);
-  kernel<<<grid, prefill::kThreads, bytes, stream>>>(map, args);
+  cudaLaunchConfig_t config = {};
+  config.gridDim =
+      dim3((args.m + block_m - 1) / block_m, (args.n + block_n - 1) / block_n, args.splits);
+  config.blockDim = dim3(prefill::kThreads, 1, 1);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  // With `pdl` the blocks may start while the previous kernel finishes: the
+  // producer requests its first stages' weights, then waits for that kernel
+  // before it loads A (griddepcontrol.wait); nothing is written before.
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = pdl ? 1 : 0;
+  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, map, args))
+    return cuda_error("prefill kernel launch", error);
   if (cudaError_t error = cudaGetLastError()) return cuda_error("prefill kernel launch", error);
   return {};
 }
@@ -99,16 +114,16 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
 template <typename scalar_t, int block_m, int block_n, bool has_zeros>
 std::string launch_group(int64_t group_size, const CUtensorMap &map,
                          const prefill::Args<scalar_t> &args, int device, int max_shared,
-                         cudaStream_t stream) {
+                         bool pdl, cudaStream_t stream) {
+  auto run = [&](auto group) {
+    return launch<scalar_t, block_m, block_n, decltype(group)::value, has_zeros>(
+        map, args, device, max_shared, pdl, stream);
+  };
   switch (group_size) {
-    case 32:
-      return launch<scalar_t, block_m, block_n, 32, has_zeros>(map, args, device, max_shared, stream);
-    case 64:
-      return launch<scalar_t, block_m, block_n, 64, has_zeros>(map, args, device, max_shared, stream);
-    case 128:
-      return launch<scalar_t, block_m, block_n, 128, has_zeros>(map, args, device, max_shared, stream);
-    default:
-      return launch<scalar_t, block_m, block_n, -1, has_zeros>(map, args, device, max_shared, stream);
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    default: return run(std::integral_constant<int, -1>{});
   }
 }
 
@@ -120,14 +135,14 @@ template <int m, int n> struct Tile {
 template <typename scalar_t>
 std::string launch_tile(const PrefillConfig &config, int64_t group_size, const CUtensorMap &map,
                         const prefill::Args<scalar_t> &args, int device, int max_shared,
-                        cudaStream_t stream) {
+                        bool pdl, cudaStream_t stream) {
   auto group = [&](auto tile) {
     constexpr int block_m = decltype(tile)::first, block_n = decltype(tile)::second;
     if (args.zeros)
       return launch_group<scalar_t, block_m, block_n, true>(group_size, map, args, device,
-                                                            max_shared, stream);
+                                                            max_shared, pdl, stream);
     return launch_group<scalar_t, block_m, block_n, false>(group_size, map, args, device,
-                                                           max_shared, stream);
+                                                           max_shared, pdl, stream);
   };
   switch (config.block_m * 1000 + config.block_n) {
     case 64128: return group(Tile<64, 128>{});
@@ -214,7 +229,8 @@ PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms) {
 std::string prefill_matmul_config(const PrefillConfig &config, const void *A, const void *B,
                                   const void *s, const void *zeros, const void *bias, void *C,
                                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                                  int *counters, float *partials, cudaStream_t stream) {
+                                  int *counters, float *partials, cudaStream_t stream,
+                                  bool pdl) {
   auto str = [](int64_t v) { return std::to_string(v); };
   if (!is_group_size(group_size))
     return "jax_marlin: group_size must be -1, 32, 64 or 128, got " + str(group_size);
@@ -261,18 +277,18 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
                                     static_cast<const nv_bfloat16 *>(bias),
                                     static_cast<nv_bfloat16 *>(C), partials, counters, mi, ni, ki,
                                     config.splits, static_cast<const uint32_t *>(zeros)};
-    return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
+    return launch_tile(config, group_size, map, args, device, info.max_shared, pdl, stream);
   }
   prefill::Args<half> args{static_cast<const uint32_t *>(B), static_cast<const half *>(s),
                            static_cast<const half *>(bias), static_cast<half *>(C), partials,
                            counters, mi, ni, ki, config.splits, static_cast<const uint32_t *>(zeros)};
-  return launch_tile(config, group_size, map, args, device, info.max_shared, stream);
+  return launch_tile(config, group_size, map, args, device, info.max_shared, pdl, stream);
 }
 
 std::string prefill_matmul(const void *A, const void *B, const void *s, const void *zeros,
                            const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                            int64_t group_size, bool bf16, int *counters, float *partials,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool pdl) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -281,7 +297,7 @@ std::string prefill_matmul(const void *A, const void *B, const void *s, const vo
   if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
   const DeviceInfo &info = *device_attrs;
   return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, zeros, bias, C, m, n,
-                               k, group_size, bf16, counters, partials, stream);
+                               k, group_size, bf16, counters, partials, stream, pdl);
 }
 
 }  // namespace marlin

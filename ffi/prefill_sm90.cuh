@@ -365,13 +365,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t tx =
           S::a_stage + kKSteps * w_bytes + (group_size == -1 ? 0 : scale_rows * s_bytes) +
           (group_size != -1 && has_zeros ? scale_rows * z_bytes : 0);
-      for (int i = 0; i < iters; ++i) {
-        const int s = i % stages;
-        if (i >= stages) mbar_wait(empty_bar + 8 * s, ((i / stages) - 1) & 1);
-        const int kt = it_begin + i;
+      // Stage i's weights, scales and zero points: they do not depend on
+      // the previous kernel on the stream (only A does), so with
+      // programmatic dependent launch the first stages' are requested
+      // before waiting for it.
+      auto load_weights = [&](int i) {
+        const int s = i % stages, kt = it_begin + i;
         const uint32_t full = full_bar + 8 * s;
-        mbar_arrive_expect_tx(full, tx);
-        tma_load_2d(base + S::a_offset + s * S::a_stage, &a_map, kt * kPrefillBlockK, m0, full);
         // Band r of the stage: qweight row 4 kt + r, from word 2 n0 (chunk n0 / 64).
         const uint32_t *w = args.qweight + size_t(kKSteps * kt) * row_words + 2 * n0;
 #pragma unroll
@@ -392,6 +392,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                         args.zeros + size_t(g0 + r) * (args.n / 8) + n0 / 8, z_bytes, full);
           }
         }
+      };
+      auto load_a = [&](int i) {
+        const int s = i % stages;
+        tma_load_2d(base + S::a_offset + s * S::a_stage, &a_map, (it_begin + i) * kPrefillBlockK,
+                    m0, full_bar + 8 * s);
+      };
+      const int prologue = iters < stages ? iters : stages;
+      for (int i = 0; i < prologue; ++i) {
+        mbar_arrive_expect_tx(full_bar + 8 * i, tx);
+        load_weights(i);
+      }
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      for (int i = 0; i < prologue; ++i) load_a(i);
+      for (int i = prologue; i < iters; ++i) {
+        const int s = i % stages;
+        mbar_wait(empty_bar + 8 * s, ((i / stages) - 1) & 1);
+        mbar_arrive_expect_tx(full_bar + 8 * s, tx);
+        load_a(i);
+        load_weights(i);
       }
     }
     return;

@@ -27,18 +27,22 @@ PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms);
 // Launches C = A @ dequant(B, s) + bias on `stream` with the chosen
 // configuration. `counters` holds prefill_counters_size(m, n) int32s and
 // `partials` prefill_partials_size(m, n, k) floats (no initial values needed).
-// A, B, s and zeros must be 16-byte aligned. Returns an empty string on success,
-// otherwise a description of the failure (nothing is thrown).
+// A, B, s and zeros must be 16-byte aligned. With `pdl` the launch may start
+// while the previous kernel on the stream finishes (programmatic dependent
+// launch): it requests its first weights, then waits for that kernel before
+// it reads A. Returns an empty string on success, otherwise a description of
+// the failure (nothing is thrown).
 std::string prefill_matmul(const void *A, const void *B, const void *s, const void *zeros,
                            const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                            int64_t group_size, bool bf16, int *counters, float *partials,
-                           cudaStream_t stream);
+                           cudaStream_t stream, bool pdl = false);
 
 // The same with a given configuration (for measurements and tests). It runs
 // any m >= 1 and any k, n that are multiples of 64 (k of the group size).
 std::string prefill_matmul_config(const PrefillConfig &config, const void *A, const void *B,
                                   const void *s, const void *zeros, const void *bias, void *C,
                                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                                  int *counters, float *partials, cudaStream_t stream);
+                                  int *counters, float *partials, cudaStream_t stream,
+                                  bool pdl = false);
 
 }  // namespace marlin

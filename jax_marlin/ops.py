@@ -54,10 +54,10 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
       ``y`` is rounded once as for a symmetric weight; the zero points add
       ``n k / (2 g)`` bytes to the weight's read (0.8% at ``g = 128``).
     * act-order: the kernels multiply ``x[..., perm]`` (the weight's rows
-      are stored sorted by group): at ``m <= 16`` the CUDA decode kernel
-      gathers ``x`` as it loads it, otherwise the call first writes the
-      permuted ``x`` into its scratch (``m k`` elements read and written
-      once; no pass over the weight).
+      are stored sorted by group): the CUDA call first writes the permuted
+      ``x`` into its scratch (``m k`` elements read and written once; no
+      pass over the weight), or at the smallest batches the decode kernel
+      gathers ``x`` as it loads it.
     """
     return _matmul(x, w, bias, poison_output=False)
 

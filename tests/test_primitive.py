@@ -508,10 +508,11 @@ def test_zero_points_with_act_order_match_float64(rng, layer, m):
 
 
 # Act-order without zero points on every path: the decode kernel gathers x as
-# it loads it (m <= 16), the other kernels read it from the permutation pass,
-# which stages a row in shared memory (up to the 227 KB a block may have on
-# the H200: k <= 116224) or gathers it from global memory (k = 131072);
-# 1000 x 576 and 4100 x 130 are padded.
+# it loads it (m <= 2 on layers of up to 32M weights, m = 3..8 with k >
+# 16384); the other kernels, and the decode kernel elsewhere, read it from
+# the permutation pass, which stages a row in shared memory (up to the 227 KB
+# a block may have on the H200: k <= 116224) or gathers it from global memory
+# (k = 131072); 1000 x 576 and 4100 x 130 are padded.
 AO_LAYERS = [(4096, 4096, 128), (28672, 1024, 128), (131072, 128, 128), (1000, 576, 32),
              (4100, 130, 64)]
 AO_MS = [1, 5, 16, 17, 40, 64, 100, 256]
@@ -621,7 +622,9 @@ def test_handler_rechecks_buffers(rng):
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("m", [4, 80])  # CUDA: the decode kernel's gather, the permutation pass
+# CUDA: the decode kernel's gather (m = 1), the permutation pass before the
+# decode (m = 4) and the prefill kernel (m = 80).
+@pytest.mark.parametrize("m", [1, 4, 80])
 def test_handler_clamps_perm(rng, m, platform):
     # An act-order index out of range is clamped, never read past x: the
     # Python API builds only permutations, but the FFI target may be called
