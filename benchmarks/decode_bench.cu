@@ -2,7 +2,8 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
-//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep] [--chain] [--reps N] m:k:n ...
+//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep] [--chain]
+//                  [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
 // the launcher picks: the decode kernel for m <= 16 on sm_90 unless
@@ -112,8 +113,8 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
   fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(b.A), size_t(c.m) * c.k, 5, -1.f, 1.f, g_bf16);
   fill_float<<<64, 256, 0, stream>>>(static_cast<uint16_t *>(b.bias), c.n, 7, -0.5f, 0.5f, g_bf16);
   check(cudaMalloc(&b.workspace, marlin::workspace_size(c.m, c.n) * sizeof(int)), "cudaMalloc locks");
-  check(cudaMalloc(&b.scratch, marlin::reduce_scratch_size(c.m, c.n, c.k, g_act_order) * sizeof(float)),
-        "cudaMalloc scratch");
+  const int64_t scratch = marlin::reduce_scratch_size(c.m, c.n, c.k, g_act_order);
+  check(cudaMalloc(&b.scratch, scratch * sizeof(float)), "cudaMalloc scratch");
   if (g_act_order) {
     std::vector<int> perm(c.k);
     for (int i = 0; i < c.k; ++i) perm[i] = i;
@@ -123,7 +124,8 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
       std::swap(perm[i], perm[int((state >> 33) % uint64_t(i + 1))]);
     }
     check(cudaMalloc(&b.perm, size_t(c.k) * sizeof(int)), "cudaMalloc perm");
-    check(cudaMemcpy(b.perm, perm.data(), size_t(c.k) * sizeof(int), cudaMemcpyHostToDevice), "perm");
+    check(cudaMemcpy(b.perm, perm.data(), size_t(c.k) * sizeof(int), cudaMemcpyHostToDevice),
+          "perm");
   }
   check(cudaStreamSynchronize(stream), "fill");
   return b;
@@ -284,7 +286,8 @@ int main(int argc, char **argv) {
     }
   }
   if ((g_zeros || g_act_order) && do_check) {
-    std::fprintf(stderr, "--check takes symmetric weights only (zero points, act-order: the GPU tests)\n");
+    std::fprintf(stderr,
+                 "--check takes symmetric weights only (zero points, act-order: the GPU tests)\n");
     return 2;
   }
   int device, sms;

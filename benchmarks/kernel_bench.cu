@@ -45,8 +45,8 @@ void check(cudaError_t error, const char *what) {
 
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
                 int *workspace, float *scratch, cudaStream_t stream) {
-  return marlin::matmul(A, B, s, nullptr, nullptr, nullptr, C, m, n, k, 128, false, workspace, scratch,
-                        stream);
+  return marlin::matmul(A, B, s, nullptr, nullptr, nullptr, C, m, n, k, 128, false, workspace,
+                        scratch, stream);
 }
 
 // The same product with one thread block per output tile (grid = column

@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
           // Column n (h = 0) or n + 8 (h = 1) of tile t, with its zero point.
           auto dequant_column = [&](int qt, int t, int h) {
             if constexpr (has_zeros) {
-              return dequant<scalar_t>(qt, zt[grouped ? ((j + u) / group_blocks) % window_groups : 0][t], h);
+              const int q = grouped ? ((j + u) / group_blocks) % window_groups : 0;
+              return dequant<scalar_t>(qt, zt[q][t], h);
             } else {
               return dequant<scalar_t>(qt);
             }
@@ -553,8 +554,8 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
-                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
-                          cudaStream_t stream) {
+                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config,
+                          bool pdl, cudaStream_t stream) {
   if (std::string why = check_decode_config(config, m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   DecodeParams p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),

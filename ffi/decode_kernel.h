@@ -50,7 +50,7 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 // Returns an empty string on success, otherwise a description of the failure.
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
-                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config, bool pdl,
-                          cudaStream_t stream);
+                          int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config,
+                          bool pdl, cudaStream_t stream);
 
 }  // namespace marlin

@@ -65,7 +65,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
     permute_columns(const uint16_t *A, const int *perm, uint16_t *out, int k, int split_cols) {
   // The kernel after this one (launched with programmatic dependent launch)
   // may start now: it reads nothing this one writes before it waits for it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
   extern __shared__ int4 stage[];
   const int64_t row = blockIdx.x;
   const uint16_t *src = A + row * k;
@@ -116,7 +118,8 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
   kernel<<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, staged ? size_t(row_bytes) : 0,
            stream>>>(static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
                      int(split_cols));
-  if (cudaError_t error = cudaGetLastError()) return cuda_error("act-order permutation launch", error);
+  if (cudaError_t error = cudaGetLastError())
+    return cuda_error("act-order permutation launch", error);
   return {};
 }
 
