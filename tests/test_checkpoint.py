@@ -211,6 +211,95 @@ def test_missing_files_and_config(rng, tmp_path):
         formats.load_checkpoint(tmp_path)
 
 
+# --- writing GPTQ checkpoints ---------------------------------------------------------
+
+
+def assert_same_leaves(a: jm.MarlinWeight, b: jm.MarlinWeight):
+    assert (a.k, a.n, a.group_size) == (b.k, b.n, b.group_size)
+    for field in ("qweight", "scales", "zeros", "perm"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x is None) == (y is None), field
+        if x is not None:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
+
+
+# Act-order needs groups of rows (group_size -1 has one group).
+TO_GPTQ_CASES = [(g, sym, ao) for g in (32, 64, 128, -1) for sym in (True, False)
+                 for ao in (False, True) if not (ao and g == -1)]
+
+
+@pytest.mark.parametrize("group_size,symmetric,act_order", TO_GPTQ_CASES)
+def test_to_gptq_writes_the_v1_layout(rng, group_size, symmetric, act_order):
+    # Against the independent writer: the same known integers give the same
+    # tensors, and from_gptq reads them back into the same packed arrays.
+    k, n = 256, 196  # the last qzeros word holds 4 columns
+    g_idx = act_order_groups(rng, k, group_size) if act_order else groups_of_rows(k, group_size)
+    q, zeros, scales = quantize(random_weight(rng, k, n), g_idx, symmetric=symmetric)
+    w = jm.pack(q, scales, group_size, zeros=None if symmetric else zeros,
+                g_idx=g_idx if act_order else None)
+    got = formats.to_gptq(w)
+    expected = gptq_tensors(q, zeros, scales, g_idx)
+    assert set(got) == set(expected)
+    for key in ("qweight", "scales", "g_idx"):
+        assert got[key].dtype == expected[key].dtype, key
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    # The writer fills the nibbles past n of the last qzeros word with 0, to_gptq with 7
+    # (the zero point 8): compare the n columns' nibbles.
+    keep = np.uint32((1 << 4 * (n % 8)) - 1)
+    np.testing.assert_array_equal(got["qzeros"][:, :n // 8], expected["qzeros"][:, :n // 8])
+    np.testing.assert_array_equal(got["qzeros"][:, -1].view(np.uint32) & keep,
+                                  expected["qzeros"][:, -1].view(np.uint32) & keep)
+    back = formats.from_gptq(**got, group_size=group_size, sym=symmetric)
+    assert_same_leaves(back, w)
+
+
+def test_to_gptq_refuses_k_not_a_multiple_of_8(rng):
+    w = jm.quantize(random_weight(rng, 100, 128), group_size=-1)
+    with pytest.raises(ValueError, match=r"k = 100 is not a multiple of 8"):
+        formats.to_gptq(w)
+
+
+def test_save_gptq_checkpoint_round_trips(rng, tmp_path):
+    # Symmetric, asymmetric and act-order layers in one directory: config.json
+    # says sym false and desc_act true, and every layer comes back unchanged.
+    weights = {"model.layers.0.mlp.up_proj": jm.quantize(random_weight(rng, 256, 192),
+                                                         group_size=64),
+               "model.layers.0.mlp.down_proj": imported_weight(rng, 192, 256, 64)[0],
+               "model.layers.1.self_attn.q_proj": imported_weight(rng, 256, 128, 64,
+                                                                  zeros=False)[0]}
+    formats.save_gptq_checkpoint(tmp_path / "ckpt", weights,
+                                 config={"model_type": "llama", "hidden_size": 256})
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["hidden_size"] == 256
+    assert config["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 64,
+                                             "desc_act": True, "sym": False,
+                                             "checkpoint_format": "gptq"}
+    loaded = formats.load_checkpoint(tmp_path / "ckpt")
+    assert set(loaded) == set(weights)
+    for name, w in weights.items():
+        assert_same_leaves(loaded[name], w)
+    # All symmetric and in row order: sym true, desc_act false.
+    formats.save_gptq_checkpoint(tmp_path / "sym", {"up": weights["model.layers.0.mlp.up_proj"]})
+    qc = json.loads((tmp_path / "sym" / "config.json").read_text())["quantization_config"]
+    assert qc["sym"] is True and qc["desc_act"] is False
+    assert_same_leaves(formats.load_checkpoint(tmp_path / "sym")["up"],
+                       weights["model.layers.0.mlp.up_proj"])
+
+
+def test_save_gptq_checkpoint_errors(rng, tmp_path):
+    w64 = jm.quantize(random_weight(rng, 256, 128), group_size=64)
+    w128 = jm.quantize(random_weight(rng, 256, 128), group_size=128)
+    with pytest.raises(ValueError, match=r"one group_size, the weights have \[64, 128\]: "
+                                         r"64: a; 128: b"):
+        formats.save_gptq_checkpoint(tmp_path, {"a": w64, "b": w128})
+    with pytest.raises(ValueError, match=r"layer 'odd': k = 100 is not a multiple of 8"):
+        formats.save_gptq_checkpoint(tmp_path, {"odd": jm.quantize(random_weight(rng, 100, 128),
+                                                                   group_size=-1)})
+    with pytest.raises(ValueError, match="no weights"):
+        formats.save_gptq_checkpoint(tmp_path, {})
+    assert not (tmp_path / "config.json").exists()
+
+
 # --- save / load ------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from jax_marlin.flax import (  # noqa: E402
     QuantizedWeight,
     get_partition_spec,
     load_quantized,
+    quantized_weights,
 )
 
 TOL = FP16_U + 1e-5
@@ -109,6 +110,26 @@ def test_load_quantized_model_splits_and_merges(rng):
     x = random_x(rng, 2, K)
     np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, quantized, rest)(x)),
                                   np.asarray(model(x)))
+
+
+def test_quantized_weights_round_trip_through_a_gptq_checkpoint(rng, tmp_path):
+    # A model quantized once -> its weights -> a GPTQ directory -> another
+    # instance of the model: the same outputs, bit for bit.
+    from jax_marlin import formats
+
+    model = Model(nnx.Rngs(0))
+    model.layers[1].down = MarlinLinear.from_linear(model.layers[1].down, group_size=64)
+    for block in model.layers:
+        block.up = MarlinLinear.from_linear(block.up, group_size=64)
+    weights = quantized_weights(model)
+    assert sorted(weights) == ["layers.0.up", "layers.1.down", "layers.1.up"]
+    formats.save_gptq_checkpoint(tmp_path, weights)
+    other = Model(nnx.Rngs(0))  # the same float parameters, the layers in float
+    load_quantized(other, formats.load_checkpoint(tmp_path),
+                           name_map=lambda path: path if path in weights else None)
+    x = jnp.asarray(rng.standard_normal((3, K)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(other(x)), np.asarray(model(x)))
+    assert isinstance(other.layers[0].down, nnx.Linear)  # left in float, as in `model`
 
 
 def test_load_quantized_lists_every_problem(rng):

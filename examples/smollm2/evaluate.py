@@ -12,18 +12,26 @@ fraction of the positions of the float model's greedy continuation where the
 model's argmax, given the float text so far, equals the float model's. The
 GPU decode speeds (``tokens_per_s``) come from ``bench_decode.py`` and are
 kept as they are in an existing results file.
+
+The GPTQ model is also written as a GPTQ (v1) checkpoint directory
+(``--save-gptq``, else a temporary one), read back with
+``jax_marlin.formats.load_checkpoint`` into a fresh float model and evaluated
+again: ``ppl_gptq_checkpoint`` must equal ``ppl_marlin_gptq``.
 """
 
 import argparse
 import json
 import os
 import platform
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_marlin import formats
+from jax_marlin.flax import load_quantized, quantized_weights
 from jax_marlin.models.decode import Decoder
 
 import smollm2
@@ -70,6 +78,20 @@ def agreement(picks, reference):
     return round(float(np.mean([np.mean(a == b) for a, b in zip(picks, reference)])), 4)
 
 
+def checkpoint_round_trip(model, windows, directory=None):
+    """``model``'s quantized layers through a GPTQ checkpoint into a fresh model: its perplexity."""
+    weights = quantized_weights(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = directory or scratch
+        formats.save_gptq_checkpoint(directory, weights,
+                                     config={"model_type": "llama",
+                                             "_name_or_path": "SmolLM2-135M-Instruct"})
+        loaded = formats.load_checkpoint(directory)
+    reloaded = smollm2.load_model()
+    load_quantized(reloaded, loaded, name_map=lambda path: path if path in loaded else None)
+    return perplexity(reloaded, windows, batch=4)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=64)
@@ -93,6 +115,9 @@ def main():
                         help="GPTQ calibration sequences")
     parser.add_argument("--calib-len", type=int, default=smollm2.GPTQ_CALIB_LEN,
                         help="tokens per calibration sequence")
+    parser.add_argument("--save-gptq", metavar="DIR",
+                        help="keep the GPTQ model's checkpoint (GPTQ v1 safetensors and "
+                             "config.json) in DIR")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results.json"))
     args = parser.parse_args()
@@ -129,9 +154,15 @@ def main():
         picks[method] = teacher_forced(model, prompts, texts["none"])
         print(f"{method:5s} perplexity {ppl[method]:.3f}" +
               (f" (quantized in {seconds:.1f} s)" if method != "none" else ""))
+        if method == "gptq":
+            ppl["checkpoint"] = checkpoint_round_trip(model, windows, args.save_gptq)
+            print(f"gptq perplexity through a GPTQ checkpoint {ppl['checkpoint']:.3f}")
+            if ppl["checkpoint"] != ppl["gptq"]:
+                raise SystemExit("the GPTQ checkpoint's model differs from the quantized one")
     results["ppl_float"] = round(ppl["none"], 3)
     results["ppl_marlin_rtn"] = round(ppl["rtn"], 3)
     results["ppl_marlin_gptq"] = round(ppl["gptq"], 3)
+    results["ppl_gptq_checkpoint"] = round(ppl["checkpoint"], 3)
     for method, suffix in [("gptq", ""), ("rtn", "_rtn")]:
         results["greedy_agreement" + suffix] = agreement(texts[method], texts["none"])
         results["greedy_agreement_teacher_forced" + suffix] = agreement(picks[method],

@@ -6,7 +6,8 @@
 NNX (:mod:`jax_marlin.flax.nnx`): ``MarlinLinear`` keeps its packed
 ``MarlinWeight`` in a :class:`QuantizedWeight` variable (not an ``nnx.Param``);
 ``quantize_model`` swaps every fitting ``nnx.Linear`` of a model for one;
-``load_quantized`` does so with weights loaded by :mod:`jax_marlin.formats`;
+``load_quantized`` does so with weights loaded by :mod:`jax_marlin.formats`
+(``quantized_weights`` takes them out of a quantized model, to save);
 ``concatenate_linears`` joins layers that share their input into one.
 
 Linen (:mod:`jax_marlin.flax.linen`): ``MarlinDense`` keeps its packed weight
@@ -19,7 +20,7 @@ core ``jax_marlin`` package does not import this subpackage.
 
 from jax_marlin.flax._dtypes import matmul_dtype
 from jax_marlin.flax.linen import MARLIN_COLLECTION, MarlinDense, dense_to_marlin, params_to_marlin
-from jax_marlin.flax.loading import load_quantized
+from jax_marlin.flax.loading import load_quantized, quantized_weights
 from jax_marlin.flax.nnx import (
     MarlinLinear,
     QuantizedLayer,
@@ -46,4 +47,5 @@ __all__ = [
     "matmul_dtype",
     "params_to_marlin",
     "quantize_model",
+    "quantized_weights",
 ]

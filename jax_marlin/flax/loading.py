@@ -1,4 +1,5 @@
-"""Flax NNX: put loaded Marlin weights into a model, ``load_quantized``.
+"""Flax NNX: put loaded Marlin weights into a model, ``load_quantized``, and take
+them out of one, ``quantized_weights``.
 
     weights = jax_marlin.formats.load_checkpoint("Llama-3-8B-GPTQ")
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))   # allocates nothing
@@ -7,7 +8,10 @@
 Each ``nnx.Linear`` whose name is in ``weights`` becomes a
 :class:`~jax_marlin.flax.MarlinLinear` holding that weight; nothing is
 quantized here and the float kernel is never read, so the model may be an
-abstract one from ``nnx.eval_shape``.
+abstract one from ``nnx.eval_shape``. ``quantized_weights`` is the way back: a
+model quantized once (``quantize_model``, ``gptq_blocks``) gives its weights
+to :func:`jax_marlin.formats.save` or
+:func:`jax_marlin.formats.save_gptq_checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from flax import nnx
 from jax_marlin import MarlinWeight
 from jax_marlin.flax.nnx import MarlinLinear, QuantizedWeight, _find_linears, _rewrite
 
-__all__ = ["load_quantized"]
+__all__ = ["load_quantized", "quantized_weights"]
 
 
 def load_quantized(model: Any, weights: Mapping[str, MarlinWeight], *,
@@ -96,3 +100,21 @@ def _marlin_linear(linear: nnx.Linear, w: MarlinWeight) -> MarlinLinear:
     if linear.use_bias:
         layer.bias = linear.bias  # the same nnx.Param, with its value and annotations
     return layer
+
+
+def quantized_weights(model: Any) -> dict[str, MarlinWeight]:
+    """``{name: MarlinWeight}`` of every :class:`~jax_marlin.flax.MarlinLinear` in ``model``.
+
+    The names are the layers' model paths joined with dots
+    (``"layers.0.mlp.up_proj"``), the names :func:`load_quantized` looks up by
+    default, so ``load_quantized(float_model, quantized_weights(model))``
+    rebuilds ``model``'s quantized layers in another instance. A layer shared
+    between two places is listed once, under its first path.
+    """
+    weights: dict[str, MarlinWeight] = {}
+    seen: set[int] = set()
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, MarlinLinear) and id(node) not in seen:
+            seen.add(id(node))
+            weights[".".join(str(p) for p in path)] = node.weight.get_value()
+    return weights

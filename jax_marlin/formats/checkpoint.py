@@ -1,4 +1,4 @@
-"""A quantized checkpoint directory (config.json + safetensors shards) -> Marlin weights.
+"""Quantized checkpoint directories (config.json + safetensors shards) <-> Marlin weights.
 
 The directory is what ``save_pretrained`` of transformers writes for a GPTQ,
 AWQ or compressed-tensors model: ``config.json`` whose ``quantization_config``
@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -23,10 +23,10 @@ from jax_marlin import MarlinWeight
 from jax_marlin.formats._io import progress, safetensors
 from jax_marlin.formats.awq import from_awq
 from jax_marlin.formats.compressed_tensors import from_compressed_tensors
-from jax_marlin.formats.gptq import from_gptq
+from jax_marlin.formats.gptq import from_gptq, to_gptq
 from jax_marlin.shapes import num_groups
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "save_gptq_checkpoint"]
 
 _CONFIG = "quantization_config"
 _REQUIRED = object()
@@ -96,6 +96,62 @@ def load_checkpoint(path) -> dict[str, MarlinWeight]:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"layer {name!r}: {e}") from e
     return weights
+
+
+def save_gptq_checkpoint(path, weights: Mapping[str, MarlinWeight],
+                         config: Mapping[str, Any] | None = None) -> None:
+    """Writes ``{layer name: MarlinWeight}`` as a GPTQ (v1) checkpoint directory.
+
+    Args:
+      path: the directory, created if needed. It receives ``model.safetensors``
+        (per layer ``<name>.qweight``, ``.qzeros``, ``.scales``, ``.g_idx``:
+        :func:`~jax_marlin.formats.to_gptq`) and ``config.json``.
+      weights: the quantized layers, each ``[k, n]`` (input x output
+        features, ``k`` a multiple of 8), all with one group size.
+      config: the model's own configuration (transformers' ``config.json``
+        keys), written with ``quantization_config`` set to ``{"quant_method":
+        "gptq", "bits": 4, "group_size", "desc_act", "sym",
+        "checkpoint_format": "gptq"}``: ``sym`` when no layer has zero
+        points, ``desc_act`` when one has act-order.
+
+    :func:`load_checkpoint` gives the weights back with the same 4-bit values,
+    scales, zero points and row order, so a model quantized once (e.g. by
+    :mod:`jax_marlin.gptq`) runs the same after the round trip. The model's
+    float tensors (embeddings, norms, layers left in float) are the caller's
+    to save; any other ``*.safetensors`` file in the directory is read too.
+    Raises ``ValueError`` for mixed group sizes or a ``k`` that GPTQ cannot
+    pack, naming the layers.
+    """
+    _, save_file = safetensors()
+    if not weights:
+        raise ValueError("save_gptq_checkpoint: no weights to save")
+    group_sizes = {getattr(w, "group_size", None) for w in weights.values()}
+    if len(group_sizes) > 1:
+        by_size = {g: [name for name, w in weights.items() if w.group_size == g]
+                   for g in sorted(group_sizes)}
+        raise ValueError("save_gptq_checkpoint: a GPTQ checkpoint has one group_size, the "
+                         f"weights have {sorted(group_sizes)}: " +
+                         "; ".join(f"{g}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                                   for g, names in by_size.items()))
+    tensors: dict[str, np.ndarray] = {}
+    for name, w in progress(weights.items(), len(weights), "save_gptq_checkpoint"):
+        if not isinstance(w, MarlinWeight):
+            raise TypeError(f"weights[{name!r}] is a {type(w).__name__}, expected a MarlinWeight")
+        try:
+            layer = to_gptq(w)
+        except ValueError as e:
+            raise ValueError(f"layer {name!r}: {e}") from e
+        tensors.update({f"{name}.{key}": value for key, value in layer.items()})
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    quantization = {"quant_method": "gptq", "bits": 4,
+                    "group_size": group_sizes.pop(),
+                    "desc_act": any(w.perm is not None for w in weights.values()),
+                    "sym": all(w.zeros is None for w in weights.values()),
+                    "checkpoint_format": "gptq"}
+    (path / "config.json").write_text(json.dumps({**(config or {}), _CONFIG: quantization},
+                                                 indent=2) + "\n")
 
 
 def _find_layers(where: dict[str, int], layout: _Layout, path: pathlib.Path) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import jax_marlin as jm
 from jax_marlin import MarlinWeight
 from jax_marlin.formats._convert import (
     ZERO_POINT,
@@ -32,7 +33,7 @@ from jax_marlin.formats._convert import (
 )
 from jax_marlin.shapes import num_groups
 
-__all__ = ["from_gptq"]
+__all__ = ["from_gptq", "to_gptq"]
 
 
 def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int,
@@ -77,3 +78,41 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
                          f"for the zero point {ZERO_POINT}. Pass sym=False for an asymmetric "
                          f"checkpoint")
     return to_marlin(q, scales, group_size, zeros=zeros, g_idx=g_idx, what="GPTQ")
+
+
+def to_gptq(w: MarlinWeight) -> dict[str, np.ndarray]:
+    """A :class:`~jax_marlin.MarlinWeight` -> one GPTQ (v1) linear layer, :func:`from_gptq`'s inverse.
+
+    Returns ``{"qweight": int32 [k / 8, n], "qzeros": int32 [G, ceil(n / 8)],
+    "scales": [G, n], "g_idx": int32 [k]}`` (module doc; ``G`` groups of
+    ``w.group_size`` rows, the scales in ``w``'s dtype, zero point 8 stored
+    as 7 for a symmetric weight, the columns past ``n`` of the last qzeros
+    word likewise). ``from_gptq(**to_gptq(w), group_size=w.group_size,
+    sym=w.zeros is None)`` gives ``w`` back with the same 4-bit values,
+    scales, zero points and row order. Raises ``ValueError`` if ``k`` is not
+    a multiple of 8 (qweight packs 8 rows a word).
+    """
+    parts = jm.unpack(w)
+    q, scales = np.asarray(parts[0]), np.asarray(parts[1])
+    k, n = q.shape
+    if k % 8:
+        raise ValueError(f"k = {k} is not a multiple of 8: GPTQ's qweight packs 8 rows of the "
+                         f"[k, n] = [{k}, {n}] weight into each int32")
+    if len(parts) == 4:
+        zeros, g_idx = np.asarray(parts[2]), np.asarray(parts[3])
+    else:
+        zeros = np.full(scales.shape, ZERO_POINT)
+        g_idx = np.arange(k) // (k if w.group_size == -1 else w.group_size)
+    nibbles = q.astype(np.uint32).reshape(k // 8, 8, n)
+    qweight = np.zeros((k // 8, n), np.uint32)
+    for j in range(8):  # row 8 r + j at bits 4 j
+        qweight |= nibbles[:, j, :] << np.uint32(4 * j)
+    n8 = -(-n // 8)
+    stored = np.full((zeros.shape[0], 8 * n8), ZERO_POINT - 1, np.uint32)
+    stored[:, :n] = (zeros.astype(np.int64) - 1) % 16  # v1: zero point minus one
+    stored = stored.reshape(zeros.shape[0], n8, 8)
+    qzeros = np.zeros((zeros.shape[0], n8), np.uint32)
+    for j in range(8):  # column 8 c + j at bits 4 j
+        qzeros |= stored[:, :, j] << np.uint32(4 * j)
+    return {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32),
+            "scales": scales, "g_idx": g_idx.astype(np.int32)}
