@@ -297,6 +297,8 @@ def test_save_gptq_checkpoint_errors(rng, tmp_path):
                                                                    group_size=-1)})
     with pytest.raises(ValueError, match="no weights"):
         formats.save_gptq_checkpoint(tmp_path, {})
+    with pytest.raises(TypeError, match=r"weights\['b'\] is a ndarray, expected a MarlinWeight"):
+        formats.save_gptq_checkpoint(tmp_path, {"a": w64, "b": np.zeros((256, 128))})
     assert not (tmp_path / "config.json").exists()
 
 

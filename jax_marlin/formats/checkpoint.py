@@ -125,7 +125,10 @@ def save_gptq_checkpoint(path, weights: Mapping[str, MarlinWeight],
     _, save_file = safetensors()
     if not weights:
         raise ValueError("save_gptq_checkpoint: no weights to save")
-    group_sizes = {getattr(w, "group_size", None) for w in weights.values()}
+    for name, w in weights.items():
+        if not isinstance(w, MarlinWeight):
+            raise TypeError(f"weights[{name!r}] is a {type(w).__name__}, expected a MarlinWeight")
+    group_sizes = {w.group_size for w in weights.values()}
     if len(group_sizes) > 1:
         by_size = {g: [name for name, w in weights.items() if w.group_size == g]
                    for g in sorted(group_sizes)}
@@ -135,8 +138,6 @@ def save_gptq_checkpoint(path, weights: Mapping[str, MarlinWeight],
                                    for g, names in by_size.items()))
     tensors: dict[str, np.ndarray] = {}
     for name, w in progress(weights.items(), len(weights), "save_gptq_checkpoint"):
-        if not isinstance(w, MarlinWeight):
-            raise TypeError(f"weights[{name!r}] is a {type(w).__name__}, expected a MarlinWeight")
         try:
             layer = to_gptq(w)
         except ValueError as e:
