@@ -87,15 +87,18 @@ def run(x, w, bias):
 key = jax.random.key(0)
 bad = 0
 total = 0
+# (kind, case): "sym" quantized here, "zeros" with zero points (act-order on
+# the first), "act-order" without them.
+KINDS = {"sym": CASES, "zeros": ZERO_POINT_CASES, "act-order": ACT_ORDER_CASES}
 mode = sys.argv[1] if len(sys.argv) > 1 else "all"
-cases = {"all": CASES + ZERO_POINT_CASES + ACT_ORDER_CASES, "zeros": ZERO_POINT_CASES,
-         "act-order": ACT_ORDER_CASES}[mode]
-for k, n, group_size, dtype, with_bias, ms in cases:
-    case = (k, n, group_size, dtype, with_bias, ms)
-    if case in CASES:
+cases = [(kind, case) for kind, kind_cases in KINDS.items() if mode in ("all", kind)
+         for case in kind_cases]
+for kind, (k, n, group_size, dtype, with_bias, ms) in cases:
+    if kind == "sym":
         w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
-    elif case in ZERO_POINT_CASES:  # act-order on the first
-        w = imported_weight(k, n, group_size, dtype, True, case == ZERO_POINT_CASES[0])
+    elif kind == "zeros":
+        act_order = (k, n, group_size) == ZERO_POINT_CASES[0][:3]
+        w = imported_weight(k, n, group_size, dtype, True, act_order)
     else:
         w = imported_weight(k, n, group_size, dtype, False, True)
     bias = jax.random.normal(key, (n,), dtype) if with_bias else None

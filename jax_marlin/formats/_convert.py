@@ -59,6 +59,21 @@ def unpack_words(words: np.ndarray, axis: int, order: Sequence[int] = range(8)) 
     return np.moveaxis(nibbles, -1, axis + 1).reshape(shape)
 
 
+def pack_words(values: np.ndarray, axis: int) -> np.ndarray:
+    """:func:`unpack_words`' inverse, natural nibble order: values 0..15 -> int32 words.
+
+    The value at position ``8 w + i`` along ``axis`` goes to bits ``4 i .. 4 i
+    + 3`` of word ``w``: ``[8 r, c]`` gives ``[r, c]`` for ``axis=0``, ``[r, 8
+    c]`` gives ``[r, c]`` for ``axis=1``.
+    """
+    v = np.moveaxis(np.asarray(values, np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for i in range(8):
+        words |= v[..., i] << np.uint32(4 * i)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
+
+
 def check_group_size(group_size) -> None:
     if (not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool)
             or (group_size != -1 and group_size <= 0)):

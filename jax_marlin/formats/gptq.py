@@ -27,6 +27,7 @@ from jax_marlin.formats._convert import (
     ZERO_POINT,
     check_group_size,
     check_shape,
+    pack_words,
     to_marlin,
     unpack_words,
     words,
@@ -103,16 +104,7 @@ def to_gptq(w: MarlinWeight) -> dict[str, np.ndarray]:
     else:
         zeros = np.full(scales.shape, ZERO_POINT)
         g_idx = np.arange(k) // (k if w.group_size == -1 else w.group_size)
-    nibbles = q.astype(np.uint32).reshape(k // 8, 8, n)
-    qweight = np.zeros((k // 8, n), np.uint32)
-    for j in range(8):  # row 8 r + j at bits 4 j
-        qweight |= nibbles[:, j, :] << np.uint32(4 * j)
-    n8 = -(-n // 8)
-    stored = np.full((zeros.shape[0], 8 * n8), ZERO_POINT - 1, np.uint32)
+    stored = np.full((zeros.shape[0], 8 * -(-n // 8)), ZERO_POINT - 1, np.uint32)
     stored[:, :n] = (zeros.astype(np.int64) - 1) % 16  # v1: zero point minus one
-    stored = stored.reshape(zeros.shape[0], n8, 8)
-    qzeros = np.zeros((zeros.shape[0], n8), np.uint32)
-    for j in range(8):  # column 8 c + j at bits 4 j
-        qzeros |= stored[:, :, j] << np.uint32(4 * j)
-    return {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32),
+    return {"qweight": pack_words(q, axis=0), "qzeros": pack_words(stored, axis=1),
             "scales": scales, "g_idx": g_idx.astype(np.int32)}
