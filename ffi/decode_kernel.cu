@@ -65,6 +65,19 @@ inline int64_t k_granule(int64_t group_size) {
 
 inline int m_pad_of(int64_t m) { return m <= 8 ? 8 : 16; }
 
+// Which of the kernel's two schedules a launch takes. Warps that stream at
+// least 64 k steps (1024 rows) at m <= 8 take the long-stream one: both
+// windows' weights requested (and prefetched into L2 before the PDL wait)
+// before x arrives, each window's registers refilled as soon as it is
+// multiplied, and with g128 symmetric weights the scales applied to each
+// group's fp32 sums instead of to every dequantized weight. Measured on an
+// H200 (benchmarks/NOTES.md), fp16 g128 in a CUDA graph: 4-15% faster on
+// 8192 x 10240, 8192 x 57344, 28672 x 8192 and 4096 x 28672 at m = 1..8,
+// but 4-21% slower on the layers whose warps stream 16-32 steps (4096 x
+// 6144, 4096 x 4096, 14336 x 4096, 8192 x 8192) and at m = 16, which keep
+// the short-stream schedule (the second window requested after x arrives).
+inline bool decode_stream(int64_t m, int64_t k_warp) { return m <= 8 && k_warp >= 1024; }
+
 // Shared memory of one block: x for its k range (rows padded by 16 bytes so
 // that ldmatrix's eight row addresses fall in distinct banks), later reused
 // for the fp32 partial sums of its warps.
@@ -117,7 +130,9 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
                "r"(valid ? 16 : 0));
 }
 
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
+// kStream: the schedule for long streams (decode_stream above), else the one
+// for short ones.
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
 __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodeParams p) {
   namespace cg = cooperative_groups;
   using Scalar = ScalarType<scalar_t>;
@@ -147,7 +162,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   // L2 before waiting for it (L2 is coherent, so this is safe even if that
   // kernel writes them).
 #pragma unroll
-  for (int j = 0; j < kDepth; j++)
+  for (int j = 0; j < (kStream ? 2 : 1) * kDepth; j++)
     if (j < steps) prefetch_l2(w_ptr + int64_t(j) * w_stride);
   // Nor does an act-order permutation: this thread's first 8 indices.
   const int4 *perm4 = reinterpret_cast<const int4 *>(p.perm + kb0);
@@ -198,12 +213,18 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   int4 sa[window_groups], sb[window_groups];
   int za[window_groups], zb[window_groups];
 
-  // x rows 0..m_pad-1 of the block's k range, zero past m.
+  // x rows 0..m_pad-1 of the block's k range, zero past m. The long-stream
+  // schedule leaves rows m..m_pad-1 as they are: they are column j >= m of
+  // the mma's B operand, which meets only column j of its product, and those
+  // columns are never reduced or written. (In a CUDA graph, skipping the zero
+  // fill measured 1-3% slower on some short-stream layers at m = 1, and 3%
+  // faster on others: benchmarks/NOTES.md. They keep it.)
   extern __shared__ int4 smem[];
   const int xs_stride = k_block / 8 + 1;  // int4 per row
+  const int x_rows = kStream ? p.m : m_pad;
   if (p.perm == nullptr) {
     const int row_int4 = k_block / 8;
-    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
+    for (int i = threadIdx.x; i < x_rows * row_int4; i += blockDim.x) {
       const int r = i / row_int4, c = i % row_int4;
       const bool valid = r < p.m;
       const int4 *src = p.A + (valid ? int64_t(r) * (p.k / 8) + kb0 / 8 + c : 0);
@@ -211,18 +232,21 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
     }
     cp_async_fence();
     fill(wa, sa, za, 0);
+    if constexpr (kStream) fill(wb, sb, zb, kDepth);
   } else {
     // Act-order: column c of the block's range is x's column perm[kb0 + c],
     // gathered here (x is small and in L2: the previous kernel has just
     // written it), 8 columns of one row per thread and item so that all
     // threads have loads in flight; the first item's indices were read
-    // before the wait. The first window's weights are requested first, so
-    // that they stream meanwhile. An index out of range is clamped.
+    // before the wait. The first window's weights (both windows' in the
+    // long-stream schedule) are requested first, so that they stream
+    // meanwhile. An index out of range is clamped.
     fill(wa, sa, za, 0);
+    if constexpr (kStream) fill(wb, sb, zb, kDepth);
     const uint16_t *a = reinterpret_cast<const uint16_t *>(p.A);
     const int row_int4 = k_block / 8;
 #pragma unroll 2
-    for (int i = threadIdx.x; i < m_pad * row_int4; i += blockDim.x) {
+    for (int i = threadIdx.x; i < x_rows * row_int4; i += blockDim.x) {
       const int r = i / row_int4, c8 = i % row_int4;
       int4 v = make_int4(0, 0, 0, 0);
       if (r < p.m) {
@@ -243,13 +267,22 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   int z_column = 0;
   if constexpr (has_zeros && !grouped) z_column = load_stream_word(z_ptr, true);
 
-  FragC acc[4][m_halves];
+  // With grouped scales, the products of a group's unscaled weights (q - 8,
+  // exact in 16 bits) go to acc_g, and the group's scales multiply those
+  // fp32 sums once per group: two FFMAs per column pair and group instead of
+  // four HMUL2s per tile and step, and a shorter dependency chain from the
+  // loaded word to the mma. (The Marlin kernel scales the weights instead:
+  // its sums then carry the fp16 rounding of q s.) Not with zero points:
+  // applied per group as acc_g - (z - 8) (sum of x), they measured slower at
+  // m = 4..8 (benchmarks/NOTES.md).
+  constexpr bool kGroupAcc = kStream && grouped && group_blocks == 8 && !has_zeros;
+  FragC acc[4][m_halves], acc_g[4][m_halves];
 #pragma unroll
   for (int t = 0; t < 4; t++)
 #pragma unroll
     for (int h = 0; h < m_halves; h++)
 #pragma unroll
-      for (int i = 0; i < 4; i++) acc[t][h][i] = 0.f;
+      for (int i = 0; i < 4; i++) acc[t][h][i] = acc_g[t][h][i] = 0.f;
 
   cp_async_wait<0>();
   __syncthreads();
@@ -304,7 +337,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
           for (int t = 0; t < 4; t++) {
             FragB<scalar_t> lo = dequant_column(q[t], t, 0);
             FragB<scalar_t> hi = dequant_column(q[t] >> 8, t, 1);
-            if constexpr (grouped) {
+            if constexpr (grouped && !kGroupAcc) {
               const T2 s_n = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
               const T2 s_n8 = Scalar::broadcast(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
               lo[0] = __hmul2(lo[0], s_n);
@@ -322,18 +355,50 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
               FragB<scalar_t> b;
               b[0] = xb[h][2 * u];
               b[1] = xb[h][2 * u + 1];
-              mma<scalar_t>(a, b, acc[t][h]);
+              if constexpr (kGroupAcc)
+                mma<scalar_t>(a, b, acc_g[t][h]);
+              else
+                mma<scalar_t>(a, b, acc[t][h]);
+            }
+          }
+          // The group's last step: its unscaled sums, times its scales, into
+          // acc (fp32 fused multiply-adds), and the group's sums restart.
+          if constexpr (kGroupAcc) {
+            if ((j + u + 1) % group_blocks == 0) {
+#pragma unroll
+              for (int t = 0; t < 4; t++) {
+                const float s_n = Scalar::to_float(reinterpret_cast<const scalar_t *>(&sc[t])[0]);
+                const float s_n8 = Scalar::to_float(reinterpret_cast<const scalar_t *>(&sc[t])[1]);
+#pragma unroll
+                for (int h = 0; h < m_halves; h++) {
+                  acc[t][h][0] = fmaf(s_n, acc_g[t][h][0], acc[t][h][0]);
+                  acc[t][h][1] = fmaf(s_n, acc_g[t][h][1], acc[t][h][1]);
+                  acc[t][h][2] = fmaf(s_n8, acc_g[t][h][2], acc[t][h][2]);
+                  acc[t][h][3] = fmaf(s_n8, acc_g[t][h][3], acc[t][h][3]);
+#pragma unroll
+                  for (int i = 0; i < 4; i++) acc_g[t][h][i] = 0.f;
+                }
+              }
             }
           }
         }
       }
     }
   };
+  // Both windows' loads were issued before x arrived; each window's
+  // registers are refilled as soon as it is multiplied.
   for (int base = 0; base < steps; base += 2 * kDepth) {
-    fill(wb, sb, zb, base + kDepth);
-    window(wa, sa, za, base);
-    fill(wa, sa, za, base + 2 * kDepth);
-    window(wb, sb, zb, base + kDepth);
+    if constexpr (kStream) {
+      window(wa, sa, za, base);
+      fill(wa, sa, za, base + 2 * kDepth);
+      window(wb, sb, zb, base + kDepth);
+      fill(wb, sb, zb, base + 3 * kDepth);
+    } else {
+      fill(wb, sb, zb, base + kDepth);
+      window(wa, sa, za, base);
+      fill(wa, sa, za, base + 2 * kDepth);
+      window(wb, sb, zb, base + kDepth);
+    }
   }
 
   // Partial sums of every warp into shared memory, rows of m then columns:
@@ -406,15 +471,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 #else
 
 // Host pass and devices before sm_90: the launcher never launches it there.
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
 __global__ void decode_kernel(const DecodeParams) {}
 
 #endif
 
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
 std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                    cudaStream_t stream) {
-  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros>;
+  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream>;
   static std::once_flag once[kMaxDevices];
   static cudaError_t attr_error[kMaxDevices];
   int device;
@@ -451,8 +516,10 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
 template <typename scalar_t, int group_blocks, bool has_zeros>
 std::string launch_m(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                      cudaStream_t stream) {
-  if (p.m <= 8) return launch<scalar_t, group_blocks, 1, has_zeros>(p, c, shared, pdl, stream);
-  return launch<scalar_t, group_blocks, 2, has_zeros>(p, c, shared, pdl, stream);
+  if (p.m > 8) return launch<scalar_t, group_blocks, 2, has_zeros, false>(p, c, shared, pdl, stream);
+  if (decode_stream(p.m, p.k_warp))
+    return launch<scalar_t, group_blocks, 1, has_zeros, true>(p, c, shared, pdl, stream);
+  return launch<scalar_t, group_blocks, 1, has_zeros, false>(p, c, shared, pdl, stream);
 }
 
 template <typename scalar_t, bool has_zeros>

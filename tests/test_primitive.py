@@ -383,6 +383,18 @@ def test_decode_sizes_match_float64(rng, dtype, layer, m):
     check_against_float64(rng, w, weight64(k, n, g, dtype), m, bias=m % 2 == 1)
 
 
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_decode_long_stream_matches_float64(rng, dtype, m):
+    # 8192 x 10240 at m <= 8 takes the decode kernel's long-stream schedule
+    # (warps of 1024 rows of k; decode_stream in ffi/decode_kernel.cu), where
+    # g128 weights are scaled per group of fp32 sums: both of its
+    # configurations (m <= 4 and m = 5..8), with and without a bias.
+    w = weight(8192, 10240, 128, dtype)
+    check_against_float64(rng, w, weight64(8192, 10240, 128, dtype), m, bias=m % 2 == 1)
+
+
 @pytest.mark.parametrize("m", [1, 8, 9, 16])
 @pytest.mark.gpu
 def test_decode_repeats_are_bit_identical(rng, m):
@@ -553,16 +565,56 @@ def test_zero_points_gpu_matches_cpu(rng, dtype, layer, m):
     assert err <= (TOL[dtype] + CPU_TOL[dtype]) / (1 - CPU_TOL[dtype])
 
 
+def with_zero_points_8(w):
+    """``w`` with zero points that are all 8, stored (pack drops them)."""
+    z8 = jnp.full((w.scales.shape[0], w.n_pad // 8), 0x88888888 - (1 << 32), jnp.int32)
+    return jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, w.group_size, zeros=gpu(z8))
+
+
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.gpu
 def test_zero_points_8_are_the_symmetric_kernel(rng, m):
-    # Zero points that are all 8, stored (pack drops them, so build the weight
-    # by hand): the zero-point instances must give the symmetric ones' bits.
+    # The zero-point instances must give the symmetric ones' bits wherever
+    # both round alike (every kernel on 4096 x 4096).
     w = weight(4096, 4096, 128, "float16")
-    z8 = jnp.full((w.scales.shape[0], w.n_pad // 8), 0x88888888 - (1 << 32), jnp.int32)
-    w8 = jm.MarlinWeight(w.qweight, w.scales, w.k, w.n, w.group_size, zeros=gpu(z8))
     x = gpu(activations(rng, "float16", m, 4096))
-    np.testing.assert_array_equal(np.asarray(marlin(x, w8)), np.asarray(marlin(x, w)))
+    np.testing.assert_array_equal(np.asarray(marlin(x, with_zero_points_8(w))), np.asarray(marlin(x, w)))
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.gpu
+def test_zero_points_8_match_the_long_stream_schedule(rng, m):
+    # In the decode kernel's long-stream schedule symmetric g128 weights are
+    # scaled per group of fp32 sums, zero-point ones per dequantized weight:
+    # the same product, rounded differently, both within TOL of float64.
+    w = weight(8192, 10240, 128, "float16")
+    x = activations(rng, "float16", m, 8192)
+    ref = np.asarray(x, np.float64) @ weight64(8192, 10240, 128, "float16")
+    for v in (w, with_zero_points_8(w)):
+        assert rel_err(marlin(gpu(x), v), ref) <= TOL["float16"]
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_zero_points_long_stream_match_float64(rng, dtype, m):
+    # Random zero points in the decode kernel's long-stream schedule (8192 x
+    # 10240 g128 at m <= 8), with act-order below (x permuted by the pass).
+    check_zero_points(rng, (8192, 10240, 128), m, dtype, bias=m % 2 == 1)
+
+
+@pytest.mark.gpu
+def test_zero_points_long_stream_with_act_order_match_float64(rng):
+    check_zero_points(rng, (8192, 10240, 128), 1, "float16", act_order=True, bias=True)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+@pytest.mark.gpu
+def test_act_order_long_stream_gather_matches_float64(rng, m):
+    # 28672 x 8192 at m = 3..8: the decode kernel gathers x itself
+    # (decode_gathers) in its long-stream schedule, x's rows past m unwritten.
+    w, weight = act_order_weight(28672, 8192, 128, "float16")
+    check_against_float64(rng, w, weight, m, bias=m % 2 == 1)
 
 
 def test_every_tile_is_tested():
