@@ -12,7 +12,9 @@ weights with float16 group scales, dequantized and multiplied by XLA inside
 the step (what a JAX user writes without a kernel); and ``marlin_g128``, the
 block projections quantized with ``jm.quantize`` (``--group-size``, default
 128) through ``quantize_model``. The embedding and the output head stay
-float16 in all three. Each model's projections are fused
+float16 in all three, unless ``--quantize-head`` (an untied head only): then
+both 4-bit models quantize the output head too (what the JSON records as
+``quantized_head``). Each model's projections are fused
 (``fuse_projections``: q, k, v as one ``qkv`` matmul and gate, up as one
 ``gate_up``, 4 matmuls a block instead of 7; after quantizing, the int4
 path's on the fused float layers), so all three run the same number of
@@ -98,15 +100,24 @@ def to_xla_int4(model, group_size):
     return model
 
 
-def prepare(name, model, group_size, fuse):
-    """Makes the float16 ``model`` the variant ``name`` (float16, xla_int4_g*, marlin_g*)."""
+def prepare(name, model, group_size, fuse, quantize_head=False):
+    """Makes the float16 ``model`` the variant ``name`` (float16, xla_int4_g*, marlin_g*).
+
+    ``quantize_head``: the 4-bit variants quantize the (untied) output head too.
+    """
+    if quantize_head and model.lm_head is None:
+        raise ValueError("--quantize-head: this model's output head is its embedding table "
+                         "(tie_embeddings), which stays float16")
+    heads = ("layers", "lm_head") if quantize_head else ("layers",)
     if name.startswith("marlin"):
         quantize_model(model, group_size=group_size, progress=False,
-                       filter=lambda path, _: path[0] == "layers")
+                       filter=lambda path, _: path[0] in heads)
     if fuse:
         fuse_projections(model)
     if name.startswith("xla_int4"):
         to_xla_int4(model, group_size)
+        if quantize_head:
+            model.lm_head = XlaInt4Linear(model.lm_head, group_size)
     return model
 
 
@@ -165,6 +176,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
     parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                         help="fuse q, k, v and gate, up into one matmul each (all three models)")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="the 4-bit models quantize the output head too (untied heads only)")
     parser.add_argument("--bandwidth", type=float, default=4800.0,
                         help="GB/s for ideal_us (H200 HBM3e: 4800)")
     parser.add_argument("--out", help="write the results here (JSON)")
@@ -178,12 +191,13 @@ def main():
     g = args.group_size
     _, source = build(args.model, jnp.float16)
     print(f"{args.model} ({source}), float16 vs XLA int4 vs jax-marlin g{g}, "
-          f"{'fused' if args.fuse else 'unfused'} projections, context {args.context}, on "
+          f"{'fused' if args.fuse else 'unfused'} projections, "
+          f"{'4-bit' if args.quantize_head else 'float16'} output head, context {args.context}, on "
           f"{device.device_kind}")
     rows = []
     for name in ["float16", f"xla_int4_g{g}", f"marlin_g{g}"]:
         # the same weights each time
-        model = prepare(name, build(args.model, jnp.float16)[0], g, args.fuse)
+        model = prepare(name, build(args.model, jnp.float16)[0], g, args.fuse, args.quantize_head)
         nbytes = weight_bytes(model)
         ideal_us = nbytes / (args.bandwidth * 1e3)
         for batch in args.batch:
@@ -201,7 +215,8 @@ def main():
                   f"({ideal_us / row['step_us'] * 100:.0f}% of the step)")
     result = dict(model=args.model, weights_source=source, device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, context=args.context,
-                  group_size=args.group_size, fused=args.fuse, steps=args.steps,
+                  group_size=args.group_size, fused=args.fuse,
+                  quantized_head=args.quantize_head, steps=args.steps,
                   bandwidth_gbs=args.bandwidth, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
