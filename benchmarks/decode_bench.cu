@@ -33,27 +33,23 @@
 #include <vector>
 
 #include "bench_fill.cuh"
+#include "bench_timing.cuh"
 #include "decode_kernel.h"
 #include "marlin_kernel.h"
 #include "scratch_sizes.h"
 
 namespace {
 
+using bench::check;
 using bench::fill_bits;
 using bench::fill_float;
+using bench::time_calls;
 
 bool g_bf16 = false;
 bool g_zeros = false;
 bool g_act_order = false;
 int g_group = 128;
 int g_failures = 0;
-
-void check(cudaError_t error, const char *what) {
-  if (error != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-    std::exit(1);
-  }
-}
 
 void check(const std::string &why) {
   if (!why.empty()) {
@@ -150,30 +146,6 @@ std::string call(const Case &c, const Buffers &b, int copy, const marlin::Decode
                                  g_group, g_bf16, config, true, stream);
   return marlin::matmul(x, b.B[copy], b.s[copy], z, b.perm, bp, b.C, c.m, c.n, c.k, g_group,
                         g_bf16, b.workspace, b.scratch, stream);
-}
-
-// Median microseconds per call over 7 timings of `reps` calls.
-template <typename F>
-float time_calls(F &&one, int reps, cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event");
-  check(cudaEventCreate(&stop), "event");
-  for (int i = 0; i < reps; ++i) one(i);
-  check(cudaStreamSynchronize(stream), "warm-up");
-  std::vector<float> us;
-  for (int t = 0; t < 7; ++t) {
-    check(cudaEventRecord(start, stream), "record");
-    for (int i = 0; i < reps; ++i) one(i);
-    check(cudaEventRecord(stop, stream), "record");
-    check(cudaEventSynchronize(stop), "timed calls");
-    float ms;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    us.push_back(1e3f * ms / reps);
-  }
-  std::sort(us.begin(), us.end());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return us[3];
 }
 
 // Float64 product on six 64-column chunks, from the packed layout (the facts

@@ -19,6 +19,7 @@
 //               share as one contiguous range (what the walk would cost
 //               if the layout put a warp's steps next to each other).
 // It also times an empty kernel (launch cost on the stream and in a graph).
+// Times: bench::time_calls (bench_timing.cuh), the median of 7 rounds.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,14 +27,12 @@
 #include <cstdlib>
 #include <vector>
 
+#include "bench_timing.cuh"
+
 namespace {
 
-void check(cudaError_t e, const char *what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using bench::check;
+using bench::time_calls;
 
 template <int kHint>
 __device__ inline int4 load(const int4 *p, bool pred) {
@@ -111,25 +110,6 @@ struct Layer {
   int k, n, cw, kw, s;
 };
 
-template <typename F>
-float time_us(F &&launch, int calls) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event");
-  check(cudaEventCreate(&b), "event");
-  std::vector<float> t;
-  for (int r = 0; r < 7; r++) {
-    check(cudaEventRecord(a), "record");
-    for (int i = 0; i < calls; i++) launch(i);
-    check(cudaEventRecord(b), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float ms;
-    check(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(1000.f * ms / calls);
-  }
-  std::sort(t.begin(), t.end());
-  return t[3];
-}
-
 }  // namespace
 
 int main() {
@@ -142,7 +122,7 @@ int main() {
   check(cudaMalloc(&out, 4), "malloc");
   // Launch cost.
   {
-    const float stream_us = time_us([&](int) { empty_kernel<<<132, 256>>>(); }, 200);
+    const float stream_us = time_calls([&](int) { empty_kernel<<<132, 256>>>(); }, 200, 0);
     cudaStream_t st;
     check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
     cudaGraph_t g;
@@ -151,7 +131,7 @@ int main() {
     for (int i = 0; i < 100; i++) empty_kernel<<<132, 256, 0, st>>>();
     check(cudaStreamEndCapture(st, &g), "end capture");
     check(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-    const float graph_us = time_us([&](int) { check(cudaGraphLaunch(ge, 0), "graph"); }, 5) / 100;
+    const float graph_us = time_calls([&](int) { check(cudaGraphLaunch(ge, 0), "graph"); }, 5, 0) / 100;
     std::printf("empty kernel (132 x 256): %.2f us per launch on the stream, %.2f us in a graph\n", stream_us,
                 graph_us);
   }
@@ -169,13 +149,13 @@ int main() {
     const dim3 grid(l.s, l.n / 64 / l.cw), block(32 * l.cw * l.kw);
     const int calls = 20 * copies;
     const float t_contig =
-        time_us([&](int i) { contiguous<<<132 * 8, 256>>>(bufs[i % copies], count, out); }, calls);
+        time_calls([&](int i) { contiguous<<<132 * 8, 256>>>(bufs[i % copies], count, out); }, calls, 0);
     const float t_pat =
-        time_us([&](int i) { pattern<0, false><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls);
+        time_calls([&](int i) { pattern<0, false><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls, 0);
     const float t_256 =
-        time_us([&](int i) { pattern<256, false><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls);
+        time_calls([&](int i) { pattern<256, false><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls, 0);
     const float t_lin =
-        time_us([&](int i) { pattern<0, true><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls);
+        time_calls([&](int i) { pattern<0, true><<<grid, block>>>(bufs[i % copies], l.n, l.k, l.cw, l.kw, l.s, out); }, calls, 0);
     check(cudaGetLastError(), "launch");
     auto tbs = [&](float us) { return bytes / us / 1e6; };
     std::printf("%6d %6d %3d,%d,%-3d %8.1f | %17.3f %9.3f %11.3f %9.3f | %7.2f %7.2f %7.2f %7.2f\n", l.k, l.n, l.cw,

@@ -1,0 +1,46 @@
+// CUDA error checks and event timing shared by the kernel timers
+// (decode_bench.cu, stream_probe.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+namespace bench {
+
+inline void check(cudaError_t error, const char *what) {
+  if (error != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
+    std::exit(1);
+  }
+}
+
+// Median microseconds per call over 7 timings of `reps` calls of one(i),
+// after one untimed round.
+template <typename F>
+float time_calls(F &&one, int reps, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < reps; ++i) one(i);
+  check(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<float> us;
+  for (int t = 0; t < 7; ++t) {
+    check(cudaEventRecord(start, stream), "record");
+    for (int i = 0; i < reps; ++i) one(i);
+    check(cudaEventRecord(stop, stream), "record");
+    check(cudaEventSynchronize(stop), "timed calls");
+    float ms;
+    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    us.push_back(1e3f * ms / reps);
+  }
+  std::sort(us.begin(), us.end());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return us[3];
+}
+
+}  // namespace bench
