@@ -27,6 +27,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
@@ -565,8 +566,10 @@ namespace {
 
 // The fastest configuration of the Llama-2/3 70B and 8B projections on an
 // H200 (132 SMs), per batch size up to 2, 4, 8 and 16 rows, from
-// benchmarks/results/h200-2026-12-03-decode-sweep.txt (fp16 g128). An empty
-// entry: the Marlin kernel was faster there (at m = 16 on the 70B layers and
+// benchmarks/results/h200-2026-12-03-decode-sweep.txt (fp16 g128), and of
+// the Llama-3 8B output head (4096 x 128256) from
+// benchmarks/results/h200-2026-12-04-head-sweep.txt. An empty entry: the
+// Marlin kernel was faster there (at m = 16 on the 70B layers and
 // 14336 x 4096).
 struct MeasuredLayer {
   int k, n;
@@ -581,6 +584,7 @@ constexpr MeasuredLayer kMeasured[] = {
     {4096, 4096, {{1, 8, 2}, {1, 8, 2}, {1, 8, 2}, {1, 8, 2}}},
     {4096, 28672, {{4, 1, 4}, {8, 1, 4}, {4, 2, 2}, {8, 1, 2}}},
     {14336, 4096, {{2, 4, 7}, {2, 4, 7}, {2, 4, 7}, {}}},
+    {4096, 128256, {{4, 1, 2}, {4, 1, 2}, {4, 1, 2}, {4, 1, 2}}},
 };
 constexpr int kMeasuredSms = 132;
 
@@ -597,11 +601,14 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
       }
   // Elsewhere, what the sweep's winners have in common: about 14 resident
   // warps per SM in all (half that at m > 8, where x and the reduction cost
-  // more per warp), blocks of 8 warps, at least 256 rows of k per warp; and
-  // at m > 8 the Marlin kernel for deep layers (k > 4096), where it won.
+  // more per warp), but at least two warps per chunk (the output head, 2004
+  // chunks: one warp per chunk took 93 us at m = 1, two 71 us), blocks of 8
+  // warps, at least 256 rows of k per warp; and at m > 8 the Marlin kernel
+  // for deep layers (k > 4096), where it won.
   if (m > 8 && k > 4096) return {};
   const int64_t chunks = n / kChunk;
-  const double target = (m > 8 ? 7.0 : 14.0) * sms / double(chunks);  // warps per chunk
+  const double target =
+      std::max(2.0, (m > 8 ? 7.0 : 14.0) * sms / double(chunks));  // warps per chunk
   DecodeConfig best;
   double best_cost = 0;
   for (int cw : {8, 4, 2, 1})

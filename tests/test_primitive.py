@@ -395,6 +395,35 @@ def test_decode_long_stream_matches_float64(rng, dtype, m):
     check_against_float64(rng, w, weight64(8192, 10240, 128, dtype), m, bias=m % 2 == 1)
 
 
+@pytest.mark.gpu
+def test_output_head_matches_float64(rng):
+    # The Llama-3 output head (4096 x 128256), a row of the decode kernel's
+    # measured table (two warps per 64-column chunk, 2004 chunks): m = 1 and 5
+    # (the long-stream schedule) and 16. The weight is drawn on the GPU and the
+    # float64 reference is formed by column blocks (the whole dequantized
+    # weight in float64 would be 4.2 GB).
+    k, n = 4096, 128256
+    key = jax.random.key(k + n)
+    w_float = jax.random.normal(key, (k, n), jnp.float32) * jax.random.uniform(
+        jax.random.fold_in(key, 1), (1, n), jnp.float32, 0.5, 2.0)
+    w = jm.quantize(w_float, group_size=128, dtype=jnp.float16)
+    del w_float
+    w32 = _dequantize32(w)
+    xs = [activations(rng, "float16", m, k) for m in (1, 5, 16)]
+    x64 = np.concatenate([np.asarray(x, np.float64) for x in xs])
+    block = n // 8
+    ref = np.concatenate([x64 @ np.asarray(w32[:, c:c + block], np.float64)
+                          for c in range(0, n, block)], axis=1)
+    del w32
+    row = 0
+    for x in xs:
+        y = marlin(gpu(x), w)
+        err = rel_err(y, ref[row:row + len(x)])
+        print(f"output head m={len(x)}: rel err {err:.2e}")
+        assert err <= TOL["float16"]
+        row += len(x)
+
+
 @pytest.mark.parametrize("m", [1, 8, 9, 16])
 @pytest.mark.gpu
 def test_decode_repeats_are_bit_identical(rng, m):
