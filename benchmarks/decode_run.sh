@@ -55,6 +55,8 @@ if has check; then
     $BIN --check --group -1 --reps 4 1:640:192 5:576:256 16:640:192 2:640:1536
     $BIN --check --group 64 --reps 4 1:576:256 13:640:192
     $BIN --check --group 128 --reps 4 1:28672:8192 16:28672:8192 16:14336:4096 1:8192:57344
+    # The Llama-3 output head, a row of the measured table.
+    $BIN --check --group 128 --reps 4 1:4096:128256 5:4096:128256 16:4096:128256
     # Every configuration of a few shapes.
     $BIN --check --sweep --group 128 --reps 4 16:4096:4096 1:2048:3072
     $BIN --check --sweep --group -1 --reps 4 7:4096:1024
