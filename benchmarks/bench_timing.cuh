@@ -1,5 +1,5 @@
 // CUDA error checks and event timing shared by the kernel timers
-// (decode_bench.cu, stream_probe.cu).
+// (decode_bench.cu, stream_probe.cu, kernel_bench.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,17 +18,17 @@ inline void check(cudaError_t error, const char *what) {
   }
 }
 
-// Median microseconds per call over 7 timings of `reps` calls of one(i),
-// after one untimed round.
+// Microseconds per call of `trials` timings of `reps` calls of one(i) on
+// `stream`, after `warm` untimed calls, sorted.
 template <typename F>
-float time_calls(F &&one, int reps, cudaStream_t stream) {
+std::vector<float> timings(F &&one, int reps, int trials, int warm, cudaStream_t stream) {
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "event");
   check(cudaEventCreate(&stop), "event");
-  for (int i = 0; i < reps; ++i) one(i);
+  for (int i = 0; i < warm; ++i) one(i);
   check(cudaStreamSynchronize(stream), "warm-up");
   std::vector<float> us;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < trials; ++t) {
     check(cudaEventRecord(start, stream), "record");
     for (int i = 0; i < reps; ++i) one(i);
     check(cudaEventRecord(stop, stream), "record");
@@ -40,7 +40,14 @@ float time_calls(F &&one, int reps, cudaStream_t stream) {
   std::sort(us.begin(), us.end());
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return us[3];
+  return us;
+}
+
+// Median microseconds per call over 7 timings of `reps` calls of one(i),
+// after one untimed round.
+template <typename F>
+float time_calls(F &&one, int reps, cudaStream_t stream) {
+  return timings(one, reps, 7, reps, stream)[3];
 }
 
 }  // namespace bench

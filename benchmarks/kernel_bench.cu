@@ -29,18 +29,14 @@
 #include <vector>
 
 #include "bench_fill.cuh"
+#include "bench_timing.cuh"
 #include "marlin_kernel.h"
 #include "scratch_sizes.h"
 #include "marlin_launch.h"
 
 namespace {
 
-void check(cudaError_t error, const char *what) {
-  if (error != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-    std::exit(1);
-  }
-}
+using bench::check;
 
 
 std::string run(const void *A, const void *B, const void *s, void *C, int m, int n, int k,
@@ -140,9 +136,6 @@ int main(int argc, char **argv) {
     check(cudaMalloc(&workspace, marlin::workspace_size(m, n) * sizeof(int)), "cudaMalloc locks");
     check(cudaMalloc(&scratch, marlin::reduce_scratch_size(m, n, k, false) * sizeof(float)),
           "cudaMalloc scratch");
-    cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
     auto call = [&](int i) {
       std::string why = run(A, Bs[i % copies], ss[i % copies], C, m, n, k, workspace, scratch, stream);
       if (!why.empty()) {
@@ -150,19 +143,7 @@ int main(int argc, char **argv) {
         std::exit(1);
       }
     };
-    for (int i = 0; i < 2 * copies; ++i) call(i);
-    check(cudaStreamSynchronize(stream), "warm-up");
-    std::vector<float> us;
-    for (int t = 0; t < trials; ++t) {
-      check(cudaEventRecord(start, stream), "cudaEventRecord");
-      for (int i = 0; i < reps; ++i) call(i);
-      check(cudaEventRecord(stop, stream), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "timed calls");
-      float ms;
-      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      us.push_back(1e3f * ms / reps);
-    }
-    std::sort(us.begin(), us.end());
+    const std::vector<float> us = bench::timings(call, reps, trials, 2 * copies, stream);
     const float med = us[us.size() / 2];
     std::printf("%6d %6d %6d %10.2f %10.2f %8.3f\n", m, k, n, med, us[0],
                 (b_bytes + s_bytes) / (med * 1e-6) / 1e12);
@@ -191,8 +172,6 @@ int main(int argc, char **argv) {
     cudaFree(C);
     cudaFree(workspace);
     cudaFree(scratch);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
   }
   return 0;
 }
