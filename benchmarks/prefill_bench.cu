@@ -9,6 +9,7 @@
 //   ./prefill_bench --shapes 8192x10240 --m 64,128 --dtype fp16 --group 128
 //   ./prefill_bench --sweep              time every tile and split per case
 //   ./prefill_bench --tile 128x256 --splits 2    force one configuration
+//   ./prefill_bench --tile 128x256 --stream-k    force a stream-K launch of that tile
 // (-DNO_CUBLAS builds without the baseline and the full-output comparison.)
 //
 // Weights: random 32-bit words (every nibble pattern is a weight) in Marlin's
@@ -336,7 +337,8 @@ struct Scratch {
 // --- one call ----------------------------------------------------------------------
 
 std::string config_name(const marlin::PrefillConfig &c) {
-  return std::to_string(c.block_m) + "x" + std::to_string(c.block_n) + "/" + std::to_string(c.splits);
+  return std::to_string(c.block_m) + "x" + std::to_string(c.block_n) + "/" +
+         (c.stream_k ? std::string("sk") : std::to_string(c.splits));
 }
 
 struct Call {
@@ -571,15 +573,16 @@ void self_test_coverage(bool bf16, bool quick, cudaStream_t stream) {
       if (quick && m != 7 && m != 129 && m != 300) continue;
       for (const marlin::PrefillConfig &tile : marlin::kPrefillTiles) {
         const int block_m = tile.block_m, block_n = tile.block_n;
-        for (int splits : {1, 2, 3}) {
+        for (int splits : {1, 2, 3, 0}) {  // 0: stream-K
           if (splits > marlin::prefill_max_splits(m, n, k, block_m, block_n)) continue;
-          if (block_m == 256 && m < 129 && splits > 1) continue;
+          if (block_m == 256 && m < 129 && splits != 1) continue;
+          if (splits == 0 && !marlin::prefill_stream_k_allowed(m, n, block_m, block_n)) continue;
           Output out;
           out.allocate(m * n);
           out.poison(stream);
           Scratch scratch;
           scratch.allocate(m, n, k);
-          Call call{{block_m, block_n, splits}, (m + splits) % 2 == 0};
+          Call call{{block_m, block_n, splits ? splits : 1, splits == 0}, (m + splits) % 2 == 0};
           std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
           finish(stream, "coverage");
           std::vector<int64_t> rows = sample(m, 40, m, {64, 128, 256}), cols = sample(n, 192, 3, {});
@@ -587,8 +590,9 @@ void self_test_coverage(bool bf16, bool quick, cudaStream_t stream) {
           const size_t guards = out.guard_writes();
           const Compared nan = compare_device(out.c(), out.c(), m * n, bf16);
           char name[160];
-          std::snprintf(name, sizeof(name), "%s g%-3d m %3lld k %lld n %lld tile %dx%d/%d%s: rel %.2e", dt, group_size,
-                        (long long)m, (long long)k, (long long)n, block_m, block_n, splits, call.with_bias ? " bias" : "", r.rel);
+          std::snprintf(name, sizeof(name), "%s g%-3d m %3lld k %lld n %lld tile %s%s: rel %.2e", dt, group_size,
+                        (long long)m, (long long)k, (long long)n, config_name(call.config).c_str(),
+                        call.with_bias ? " bias" : "", r.rel);
           std::string detail = why.empty() ? r.detail : "    launch: " + why;
           if (guards) detail += "\n    " + std::to_string(guards) + " guard elements written (out of bounds)";
           if (nan.nonfinite) detail += "\n    " + std::to_string(nan.nonfinite) + " non-finite outputs";
@@ -776,9 +780,12 @@ void run_cases(const Options &opt, cudaStream_t stream) {
             double best_us = 0;
             if (opt.sweep) {
               configs.clear();
-              for (const marlin::PrefillConfig &t : marlin::kPrefillTiles)
+              for (const marlin::PrefillConfig &t : marlin::kPrefillTiles) {
                 for (int s = 1; s <= marlin::prefill_max_splits(m, n, k, t.block_m, t.block_n); ++s)
                   configs.push_back({t.block_m, t.block_n, s});
+                if (marlin::prefill_stream_k_allowed(m, n, t.block_m, t.block_n))
+                  configs.push_back({t.block_m, t.block_n, 1, true});
+              }
             }
             for (const auto &cfg : configs) {
               Call timed{cfg, false};
@@ -796,7 +803,8 @@ void run_cases(const Options &opt, cudaStream_t stream) {
               if (opt.sweep)
                 std::printf("  sweep %s m %lld tile %-7s %9.2f us %7.1f TFLOP/s\n", label, (long long)m,
                             config_name(cfg).c_str(), us, flops / us * 1e-6);
-              if (cfg.block_m == chosen.block_m && cfg.block_n == chosen.block_n && cfg.splits == chosen.splits)
+              if (cfg.block_m == chosen.block_m && cfg.block_n == chosen.block_n && cfg.splits == chosen.splits &&
+                  cfg.stream_k == chosen.stream_k)
                 ours = us;
               if (best_us == 0 || us < best_us) {
                 best_us = us;
@@ -886,6 +894,7 @@ int main(int argc, char **argv) {
       }
     }
     else if (a == "--splits") opt.force.splits = std::atoi(value().c_str());
+    else if (a == "--stream-k") opt.force.stream_k = true;
     else if (a == "--shapes") {
       opt.shapes.clear();
       for (auto &s : split_list(value())) {

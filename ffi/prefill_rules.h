@@ -18,11 +18,15 @@ constexpr int kPrefillMinM = 64;
 // 256: two consumer warpgroups of one or two 64-column chunks each; block_m
 // 256 only with block_n 128, for the accumulators' registers), and how many
 // thread blocks split k for each tile (1: no split; more: fp32 partial sums,
-// added in a fixed order).
+// added in a fixed order). With `stream_k` (and splits 1) the launch has one
+// block per SM instead, each taking an equal share of all tiles' k stages in
+// sequence: no wave is left part empty, and a tile cut between blocks is
+// added up as a split one is.
 struct PrefillConfig {
   int block_m;
   int block_n;
   int splits;
+  bool stream_k = false;
 };
 
 // Every configuration the kernel is built for.
@@ -33,9 +37,35 @@ constexpr int kPrefillBlockK = 64;      // k per pipeline stage (one 128-byte sw
 constexpr int kPrefillMaxSplits = 8;    // k splits per output tile at most
 constexpr int kPrefillMinSplitIters = 8;  // k stages per split at least
 constexpr int kPrefillMaxSplitBlocks = 264;  // blocks of a split launch at most (2 waves of 132)
+constexpr int kPrefillStreamKMaxBlocks = 132;  // blocks of a stream-K launch at most (Hopper's most SMs)
 
 inline int64_t prefill_tiles(int64_t m, int64_t n, int block_m, int block_n) {
   return (m + block_m - 1) / block_m * ((n + block_n - 1) / block_n);
+}
+
+// The tiles built as stream-K kernels too: the large ones (256 x 128 and
+// 128 x 256), whose few output tiles at m = 256..1024 leave part of the last
+// wave of blocks empty.
+constexpr bool prefill_stream_k_tile(int block_m, int block_n) {
+  return block_m * block_n == 256 * 128;
+}
+
+// Whether a stream-K launch of this tile may run [m, k] x [k, n]: for at most
+// two waves' worth of tiles (beyond that the last wave is a small part of
+// the time), which also bounds its scratch.
+inline bool prefill_stream_k_allowed(int64_t m, int64_t n, int block_m, int block_n) {
+  return prefill_stream_k_tile(block_m, block_n) &&
+         prefill_tiles(m, n, block_m, block_n) <= kPrefillMaxSplitBlocks;
+}
+
+// The blocks of a stream-K launch on `sms` multiprocessors: one per SM, at
+// most one per k stage of all tiles.
+inline int prefill_stream_k_blocks(int64_t m, int64_t n, int64_t k, int block_m, int block_n,
+                                   int sms) {
+  const int64_t iterations = prefill_tiles(m, n, block_m, block_n) * (k / kPrefillBlockK);
+  int64_t blocks = sms < kPrefillStreamKMaxBlocks ? sms : kPrefillStreamKMaxBlocks;
+  if (blocks > iterations) blocks = iterations;
+  return blocks < 1 ? 1 : int(blocks);
 }
 
 // Whether the prefill kernel runs [m, k] x [k, n] with this group size: the
@@ -58,14 +88,22 @@ inline int prefill_max_splits(int64_t m, int64_t n, int64_t k, int block_m, int 
 inline int64_t prefill_counters_size(int64_t m, int64_t n) { return prefill_tiles(m, n, 64, 128); }
 
 // fp32 partial sums a call may need, for any configuration the rules allow
-// (on any device): splits x tiles x block_m x block_n.
+// (on any device): splits x tiles x block_m x block_n, or with stream-K two
+// tiles' worth per block.
 inline int64_t prefill_partials_size(int64_t m, int64_t n, int64_t k) {
   int64_t most = 0;
   for (const PrefillConfig &t : kPrefillTiles) {
     const int splits = prefill_max_splits(m, n, k, t.block_m, t.block_n);
     const int64_t floats =
         splits > 1 ? splits * prefill_tiles(m, n, t.block_m, t.block_n) * t.block_m * t.block_n : 0;
+    const int64_t stream_k =
+        prefill_stream_k_allowed(m, n, t.block_m, t.block_n)
+            ? 2 * int64_t(prefill_stream_k_blocks(m, n, k, t.block_m, t.block_n,
+                                                  kPrefillStreamKMaxBlocks)) *
+                  t.block_m * t.block_n
+            : 0;
     if (floats > most) most = floats;
+    if (stream_k > most) most = stream_k;
   }
   return most;
 }

@@ -63,11 +63,13 @@ std::string encode_a_map(CUtensorMap *map, const void *A, int64_t m, int64_t k, 
   return {};
 }
 
-template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros>
+template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros,
+          bool stream_k>
 std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, int device,
                    int max_shared, bool pdl, cudaStream_t stream) {
   constexpr int bytes = prefill::Smem<block_m, block_n, has_zeros>::bytes;
-  auto *kernel = prefill::prefill_kernel<scalar_t, block_m, block_n, group_size, has_zeros>;
+  auto *kernel =
+      prefill::prefill_kernel<scalar_t, block_m, block_n, group_size, has_zeros, stream_k>;
   if (bytes > max_shared)
     return "jax_marlin: the prefill tile needs " + std::to_string(bytes) +
            " bytes of shared memory per block, the device allows " + std::to_string(max_shared);
@@ -92,8 +94,9 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
            std::to_string(image[device]) +
            " image); build with -gencode=arch=compute_90a,code=sm_90a";
   cudaLaunchConfig_t config = {};
-  config.gridDim =
-      dim3((args.m + block_m - 1) / block_m, (args.n + block_n - 1) / block_n, args.splits);
+  config.gridDim = args.stream_k_blocks ? dim3(args.stream_k_blocks, 1, 1)
+                                        : dim3(args.m_tiles, (args.n + block_n - 1) / block_n,
+                                               args.splits);
   config.blockDim = dim3(prefill::kThreads, 1, 1);
   config.dynamicSmemBytes = bytes;
   config.stream = stream;
@@ -111,12 +114,12 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
   return {};
 }
 
-template <typename scalar_t, int block_m, int block_n, bool has_zeros>
+template <typename scalar_t, int block_m, int block_n, bool has_zeros, bool stream_k>
 std::string launch_group(int64_t group_size, const CUtensorMap &map,
                          const prefill::Args<scalar_t> &args, int device, int max_shared,
                          bool pdl, cudaStream_t stream) {
   auto run = [&](auto group) {
-    return launch<scalar_t, block_m, block_n, decltype(group)::value, has_zeros>(
+    return launch<scalar_t, block_m, block_n, decltype(group)::value, has_zeros, stream_k>(
         map, args, device, max_shared, pdl, stream);
   };
   switch (group_size) {
@@ -131,18 +134,25 @@ template <int m, int n> struct Tile {
   static constexpr int first = m, second = n;
 };
 
-// The tiles of kPrefillTiles.
+// The tiles of kPrefillTiles, each built with and without zero points, and
+// those of prefill_stream_k_tile also as stream-K kernels.
 template <typename scalar_t>
 std::string launch_tile(const PrefillConfig &config, int64_t group_size, const CUtensorMap &map,
                         const prefill::Args<scalar_t> &args, int device, int max_shared,
                         bool pdl, cudaStream_t stream) {
   auto group = [&](auto tile) {
     constexpr int block_m = decltype(tile)::first, block_n = decltype(tile)::second;
-    if (args.zeros)
-      return launch_group<scalar_t, block_m, block_n, true>(group_size, map, args, device,
-                                                            max_shared, pdl, stream);
-    return launch_group<scalar_t, block_m, block_n, false>(group_size, map, args, device,
-                                                           max_shared, pdl, stream);
+    auto zeros = [&](auto stream_k) {
+      constexpr bool sk = decltype(stream_k)::value;
+      if (args.zeros)
+        return launch_group<scalar_t, block_m, block_n, true, sk>(group_size, map, args, device,
+                                                                  max_shared, pdl, stream);
+      return launch_group<scalar_t, block_m, block_n, false, sk>(group_size, map, args, device,
+                                                                 max_shared, pdl, stream);
+    };
+    if constexpr (prefill_stream_k_tile(block_m, block_n))
+      if (config.stream_k) return zeros(std::true_type{});
+    return zeros(std::false_type{});
   };
   switch (config.block_m * 1000 + config.block_n) {
     case 64128: return group(Tile<64, 128>{});
@@ -158,12 +168,16 @@ std::string launch_tile(const PrefillConfig &config, int64_t group_size, const C
 // (`prefill_bench --sweep`, benchmarks/results/h200-2026-12-03-prefill-sweep.txt):
 // the configuration with the least geometric-mean loss over fp16 g128, bf16
 // g128 and fp16 g-1 (at most 1.13x the best of one of them, mostly 1.0x).
+// Stream-K launches were timed later (h200-2026-12-04-prefill-stream-k.txt):
+// they win on 8192 x 10240 at m = 512 (160 tiles of 128 x 256, 1.2 waves:
+// -17% fp16 g128, -18% bf16, -12% g-1) and within 1-4% either way on a few
+// other rows, which keep their entries.
 struct MeasuredPrefill {
   int k, n;
   PrefillConfig by_m[7];  // m = 64, 128, 256, 512, 1024, 2048, 4096
 };
 constexpr MeasuredPrefill kMeasuredPrefill[] = {
-    {8192, 10240, {{64, 256, 3}, {128, 256, 3}, {128, 256, 3}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
+    {8192, 10240, {{64, 256, 3}, {128, 256, 3}, {128, 256, 3}, {128, 256, 1, true}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}}},
     {8192, 8192, {{64, 256, 4}, {128, 256, 4}, {256, 128, 2}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}}},
     {8192, 57344, {{64, 256, 1}, {128, 256, 1}, {256, 128, 1}, {256, 128, 1}, {128, 256, 1}, {128, 256, 1}, {128, 256, 1}}},
     {28672, 8192, {{64, 256, 4}, {128, 256, 4}, {256, 128, 2}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}, {256, 128, 1}}},
@@ -182,7 +196,9 @@ PrefillConfig measured_prefill(int64_t m, int64_t n, int64_t k) {
     int bucket = 0;  // m = 64 << bucket
     while (bucket < 6 && m * m > (int64_t(64) << bucket) * (int64_t(128) << bucket)) ++bucket;
     const PrefillConfig &c = layer.by_m[bucket];
-    if (c.splits <= prefill_max_splits(m, n, k, c.block_m, c.block_n)) return c;
+    if (c.stream_k ? prefill_stream_k_allowed(m, n, c.block_m, c.block_n)
+                   : c.splits <= prefill_max_splits(m, n, k, c.block_m, c.block_n))
+      return c;
   }
   return {0, 0, 0};
 }
@@ -248,12 +264,22 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
   const int max_splits = prefill_max_splits(m, n, k, config.block_m, config.block_n);
   if (config.splits < 1 || config.splits > max_splits)
     return "jax_marlin: prefill splits = " + str(config.splits) + " outside 1.." + str(max_splits);
+  if (config.stream_k && config.splits != 1)
+    return "jax_marlin: a stream-K prefill launch has splits = 1, got " + str(config.splits);
+  if (config.stream_k && !prefill_stream_k_tile(config.block_m, config.block_n))
+    return "jax_marlin: no stream-K prefill kernel of " + str(config.block_m) + " x " +
+           str(config.block_n);
+  if (config.stream_k && !prefill_stream_k_allowed(m, n, config.block_m, config.block_n))
+    return "jax_marlin: a stream-K prefill launch runs at most " +
+           str(kPrefillMaxSplitBlocks) + " tiles, got " +
+           str(prefill_tiles(m, n, config.block_m, config.block_n));
   if (m == 0) return {};
   for (const void *p : {A, B, s, zeros})
     if (reinterpret_cast<uintptr_t>(p) % 16)
       return "jax_marlin: the prefill kernel needs A, B, s and zeros 16-byte aligned";
-  if (config.splits > 1 && (!counters || !partials))
-    return "jax_marlin: a split prefill launch needs counters and partials";
+  const bool shared_tiles = config.splits > 1 || config.stream_k;
+  if (shared_tiles && (!counters || !partials))
+    return "jax_marlin: a split or stream-K prefill launch needs counters and partials";
 
   int device;
   const DeviceInfo *device_attrs;
@@ -265,23 +291,34 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
 
   CUtensorMap map;
   if (std::string why = encode_a_map(&map, A, m, k, config.block_m, bf16); !why.empty()) return why;
-  if (config.splits > 1)
+  if (shared_tiles)
     if (cudaError_t error = cudaMemsetAsync(
             counters, 0, prefill_tiles(m, n, config.block_m, config.block_n) * sizeof(int), stream))
       return cuda_error("cudaMemsetAsync", error);
 
   const int mi = int(m), ni = int(n), ki = int(k);
+  const int m_tiles = int((m + config.block_m - 1) / config.block_m);
+  const int sk_blocks =
+      config.stream_k ? prefill_stream_k_blocks(m, n, k, config.block_m, config.block_n, info.sms) : 0;
+  const int64_t sk_total = prefill_tiles(m, n, config.block_m, config.block_n) * (k / kPrefillBlockK);
+  if (config.stream_k && sk_total >= (int64_t(1) << 31))
+    return "jax_marlin: problem too large for a stream-K prefill launch (" + str(sk_total) +
+           " tile stages; 2^31 at most)";
+  const int sk_q = sk_blocks ? int(sk_total / sk_blocks) : 0;
+  const int sk_r = sk_blocks ? int(sk_total % sk_blocks) : 0;
   if (bf16) {
     prefill::Args<nv_bfloat16> args{static_cast<const uint32_t *>(B),
                                     static_cast<const nv_bfloat16 *>(s),
                                     static_cast<const nv_bfloat16 *>(bias),
                                     static_cast<nv_bfloat16 *>(C), partials, counters, mi, ni, ki,
-                                    config.splits, static_cast<const uint32_t *>(zeros)};
+                                    config.splits, static_cast<const uint32_t *>(zeros), sk_blocks,
+                                    m_tiles, sk_q, sk_r};
     return launch_tile(config, group_size, map, args, device, info.max_shared, pdl, stream);
   }
   prefill::Args<half> args{static_cast<const uint32_t *>(B), static_cast<const half *>(s),
                            static_cast<const half *>(bias), static_cast<half *>(C), partials,
-                           counters, mi, ni, ki, config.splits, static_cast<const uint32_t *>(zeros)};
+                           counters, mi, ni, ki, config.splits, static_cast<const uint32_t *>(zeros),
+                           sk_blocks, m_tiles, sk_q, sk_r};
   return launch_tile(config, group_size, map, args, device, info.max_shared, pdl, stream);
 }
 

@@ -59,6 +59,11 @@
 // summing a contiguous range of k; each writes its fp32 partial sums, the
 // last to finish (a counter per tile) adds all of them in split order (so
 // the result does not depend on which finishes last) and writes C.
+// Stream-K (the large tiles): one block per SM, each running an equal share
+// of all tiles' k stages in sequence, so that no wave is left part empty; a
+// tile cut between blocks is added up as a split one is, and the stage ring
+// runs on from one tile into the next (the producer does not wait for the
+// consumers' epilogue).
 #pragma once
 
 #include <cuda.h>
@@ -295,10 +300,31 @@ template <typename scalar_t> struct Args {
   const scalar_t *scales;   // [k / group_size, n] or [1, n], permuted
   const scalar_t *bias;     // [n] or null
   scalar_t *c;              // [m, n]
-  float *partials;          // split k: [tiles, splits, block_m block_n / 1024, 256] float4
-  int *counters;            // split k: one per tile, zero at launch, left zero
+  float *partials;          // split k: [tiles, splits, block_m block_n / 1024, 256] float4;
+                            // stream-K: [blocks, 2, block_m block_n / 1024, 256] float4
+  int *counters;            // split k, stream-K: one per tile, zero at launch, left zero
   int m, n, k, splits;
   const uint32_t *zeros;    // [k / group_size, n / 8] or [1, n / 8] packed zero points, if has_zeros
+  int stream_k_blocks;      // 0: a block per tile and split; else stream-K over this many blocks
+  int m_tiles;              // ceil(m / block_m)
+  int sk_q, sk_r;           // stream-K: tiles x k / 64 iterations = sk_q stream_k_blocks + sk_r
+};
+
+// Stream-K: the tiles' k stages, tile after tile, form one sequence of
+// `total` iterations, cut into `blocks` contiguous shares (q + 1 iterations
+// for the first r blocks, q for the others: total = q blocks + r, below 2^31
+// by the launcher's check); block b runs iterations [first(b), first(b + 1)).
+// A tile whose stages fall to several blocks is finished by the last of them
+// to arrive, which adds every block's fp32 partial sums in k order
+// (deterministic).
+struct StreamK {
+  int q, r;
+  __device__ __forceinline__ int first(int b) const { return b * q + (b < r ? b : r); }
+  // The block that runs iteration u.
+  __device__ __forceinline__ int block_of(int u) const {
+    const int long_part = r * (q + 1);
+    return u < long_part ? u / (q + 1) : r + (u - long_part) / q;
+  }
 };
 
 // Stored position of logical column `col` among per-column scales: each run
@@ -308,7 +334,8 @@ __host__ __device__ inline int column_scale_index(int col) {
   return (col & ~31) + 8 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1);
 }
 
-template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros>
+template <typename scalar_t, int block_m, int block_n, int group_size, bool has_zeros,
+          bool stream_k>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap a_map, const Args<scalar_t> args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -327,18 +354,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t full_bar = base + S::bar_offset;    // stage s: full_bar + 8 s
   const uint32_t empty_bar = full_bar + 8 * stages;  // stage s: empty_bar + 8 s
 
-  const int m_tiles = (args.m + block_m - 1) / block_m;
-  const int m_tile = blockIdx.x, n_tile = blockIdx.y, split = blockIdx.z;
-  const int tile = n_tile * m_tiles + m_tile;
-  const int m0 = m_tile * block_m, n0 = n_tile * block_n;
+  const int m_tiles = args.m_tiles;
   const int k_tiles = args.k / kPrefillBlockK;
-  const int it_begin = int(int64_t(split) * k_tiles / args.splits);
-  const int iters = int(int64_t(split + 1) * k_tiles / args.splits) - it_begin;
+  // The block's iterations (k stages of 64), i = 0 .. iters - 1: stage
+  // it_begin + i of one tile (a block per tile and split), or with stream-K
+  // iteration u_begin + i of the sequence of all tiles' stages.
+  const StreamK sk{args.sk_q, args.sk_r};
+  const int split = stream_k ? 0 : blockIdx.z;
+  const int it_begin = stream_k ? 0 : int(int64_t(split) * k_tiles / args.splits);
+  const int iters = stream_k ? int(sk.first(blockIdx.x + 1) - sk.first(blockIdx.x))
+                             : int(int64_t(split + 1) * k_tiles / args.splits) - it_begin;
+  // Iteration i's tile (n-major: consecutive tiles share their weights) and k stage.
+  auto locate = [&](int i, int &tile, int &kt) {
+    if constexpr (stream_k) {
+      const int u = sk.first(blockIdx.x) + i;
+      tile = u / k_tiles;
+      kt = u % k_tiles;
+    } else {
+      tile = blockIdx.y * m_tiles + blockIdx.x;
+      kt = it_begin + i;
+    }
+  };
   // The last tile may hold fewer chunks than block_n / 64 (n is a multiple
   // of 64 only): only those are copied and written. The consumers multiply
   // by the others' stale shared memory too (no branch in the pipeline), into
   // columns they never write.
-  const int valid_chunks = (args.n - n0) / 64 < S::chunks ? (args.n - n0) / 64 : S::chunks;
+  auto valid_chunks_of = [&](int n0) {
+    return (args.n - n0) / 64 < S::chunks ? (args.n - n0) / 64 : S::chunks;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -360,17 +403,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) {
       const size_t row_words = 2 * size_t(args.n);  // one 16-row band of qweight
-      const uint32_t w_bytes = valid_chunks * kChunkBytes, s_bytes = valid_chunks * 64 * 2;
-      const uint32_t z_bytes = valid_chunks * 64 / 2;  // 8 words per chunk
-      const uint32_t tx =
-          S::a_stage + kKSteps * w_bytes + (group_size == -1 ? 0 : scale_rows * s_bytes) +
-          (group_size != -1 && has_zeros ? scale_rows * z_bytes : 0);
+      // Where an iteration's copies come from, stepped along from stage to
+      // stage rather than divided out of the iteration index each time (the
+      // lone producer thread issues every copy of the block).
+      struct Cursor {
+        int kt, m0, n0;
+      };
+      Cursor start;
+      {
+        int tile;
+        locate(0, tile, start.kt);
+        start.m0 = tile % m_tiles * block_m;
+        start.n0 = tile / m_tiles * block_n;
+      }
+      auto advance = [&](Cursor &c) {
+        ++c.kt;
+        if constexpr (stream_k) {
+          if (c.kt == k_tiles) {  // the next tile
+            c.kt = 0;
+            c.m0 += block_m;
+            if (c.m0 >= args.m) {
+              c.m0 = 0;
+              c.n0 += block_n;
+            }
+          }
+        }
+      };
+      // The bytes a stage's copies deliver (fewer for a partial last tile).
+      auto tx_bytes = [&](const Cursor &c) {
+        const uint32_t chunks = valid_chunks_of(c.n0);
+        return S::a_stage + kKSteps * chunks * kChunkBytes +
+               (group_size == -1 ? 0 : scale_rows * chunks * 64 * 2) +
+               (group_size != -1 && has_zeros ? scale_rows * chunks * 64 / 2 : 0);
+      };
       // Stage i's weights, scales and zero points: they do not depend on
       // the previous kernel on the stream (only A does), so with
       // programmatic dependent launch the first stages' are requested
       // before waiting for it.
-      auto load_weights = [&](int i) {
-        const int s = i % stages, kt = it_begin + i;
+      auto load_weights = [&](int i, const Cursor &c) {
+        const int s = i % stages, kt = c.kt, n0 = c.n0;
+        const int valid_chunks = valid_chunks_of(n0);
+        const uint32_t w_bytes = valid_chunks * kChunkBytes, s_bytes = valid_chunks * 64 * 2;
+        const uint32_t z_bytes = valid_chunks * 64 / 2;  // 8 words per chunk
         const uint32_t full = full_bar + 8 * s;
         // Band r of the stage: qweight row 4 kt + r, from word 2 n0 (chunk n0 / 64).
         const uint32_t *w = args.qweight + size_t(kKSteps * kt) * row_words + 2 * n0;
@@ -393,24 +467,25 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      auto load_a = [&](int i) {
+      auto load_a = [&](int i, const Cursor &c) {
         const int s = i % stages;
-        tma_load_2d(base + S::a_offset + s * S::a_stage, &a_map, (it_begin + i) * kPrefillBlockK,
-                    m0, full_bar + 8 * s);
+        tma_load_2d(base + S::a_offset + s * S::a_stage, &a_map, c.kt * kPrefillBlockK, c.m0,
+                    full_bar + 8 * s);
       };
       const int prologue = iters < stages ? iters : stages;
-      for (int i = 0; i < prologue; ++i) {
-        mbar_arrive_expect_tx(full_bar + 8 * i, tx);
-        load_weights(i);
+      Cursor w = start, a = start;
+      for (int i = 0; i < prologue; ++i, advance(w)) {
+        mbar_arrive_expect_tx(full_bar + 8 * i, tx_bytes(w));
+        load_weights(i, w);
       }
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      for (int i = 0; i < prologue; ++i) load_a(i);
-      for (int i = prologue; i < iters; ++i) {
+      for (int i = 0; i < prologue; ++i, advance(a)) load_a(i, a);
+      for (int i = prologue; i < iters; ++i, advance(w)) {
         const int s = i % stages;
         mbar_wait(empty_bar + 8 * s, ((i / stages) - 1) & 1);
-        mbar_arrive_expect_tx(full_bar + 8 * s, tx);
-        load_a(i);
-        load_weights(i);
+        mbar_arrive_expect_tx(full_bar + 8 * s, tx_bytes(w));
+        load_a(i, w);
+        load_weights(i, w);
       }
     }
     return;
@@ -424,10 +499,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = (ctid / 32) % 4, lane = ctid % 32;
 
   float acc[wg_chunks][acc_regs];
-#pragma unroll
-  for (int c = 0; c < wg_chunks; ++c)
-#pragma unroll
-    for (int i = 0; i < acc_regs; ++i) acc[c][i] = 0.f;
 
   // a[r][c] feeds the wgmma of k step r and chunk c; it is rewritten for the
   // next stage only once that wgmma has completed (a register A operand must
@@ -441,6 +512,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   // for all of k) are read once, here (a chunk past n, of a partial last
   // tile, reads none: its columns are never written), grouped ones per stage.
   ZeroPoints<scalar_t> zp[scale_rows][wg_chunks];
+  // The block's iterations in segments of one tile each (one segment unless
+  // stream-K): a segment's sums are the tile's C, or a part of them added by
+  // the last block to finish the tile. The stage ring runs on across segments.
+  // (Without stream-K the loop body runs once; written so, ptxas keeps the
+  // 128-accumulator tiles free of spills, which it does not for i < iters.)
+  for (int i = 0, segment = 0; stream_k ? i < iters : segment == 0; ++segment) {
+  int tile, kt0;
+  locate(i, tile, kt0);
+  const int seg_iters = !stream_k ? iters : k_tiles - kt0 < iters - i ? k_tiles - kt0 : iters - i;
+  const int seg_end = i + seg_iters;
+  const int m0 = tile % m_tiles * block_m, n0 = tile / m_tiles * block_n;
+  const int valid_chunks = valid_chunks_of(n0);
+#pragma unroll
+  for (int c = 0; c < wg_chunks; ++c)
+#pragma unroll
+    for (int j = 0; j < acc_regs; ++j) acc[c][j] = 0.f;
   if constexpr (has_zeros && group_size == -1) {
 #pragma unroll
     for (int c = 0; c < wg_chunks; ++c) {
@@ -449,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0, warp);
     }
   }
-  for (int i = 0; i < iters; ++i) {
+  for (; i < seg_end; ++i) {
     const int s = i % stages;
     mbar_wait(full_bar + 8 * s, (i / stages) & 1);
     // Word 4 lane + warp of each of this warpgroup's chunks in each band.
@@ -528,33 +615,52 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   wgmma_wait<0>();
 
-  if (args.splits > 1) {
-    // Partial sums in the threads' fragment order (coalesced float4s), the
-    // last block of the tile adds them in split order.
+  if (stream_k ? seg_iters < k_tiles : args.splits > 1) {
+    // A part of the tile's k: its partial sums go to its slot in the
+    // threads' fragment order (coalesced float4s), and the last block of the
+    // tile to arrive adds all parts in k order. The parts: the splits of the
+    // tile, or with stream-K the blocks whose shares meet the tile, each with
+    // two slots (for its first segment and its last).
     constexpr int f4 = wg_chunks * acc_regs / 4;
+    constexpr size_t slot_f4 = size_t(f4) * kConsumerThreads;
     float *flat = &acc[0][0];
-    float4 *slots = reinterpret_cast<float4 *>(args.partials) +
-                    size_t(tile) * args.splits * f4 * kConsumerThreads;
+    const float4 *slots = reinterpret_cast<const float4 *>(args.partials);
+    int first_block = 0, parts = args.splits, own = split;
+    if constexpr (stream_k) {
+      first_block = sk.block_of(tile * k_tiles);
+      parts = sk.block_of((tile + 1) * k_tiles - 1) - first_block + 1;
+      own = blockIdx.x - first_block;
+    }
+    auto slot_of = [&](int part) -> size_t {
+      if constexpr (!stream_k) {
+        return size_t(tile) * args.splits + part;
+      } else {
+        const int b = first_block + part;
+        return 2 * size_t(b) + (sk.first(b) / k_tiles != tile);  // 1: b began in an earlier tile
+      }
+    };
+    float4 *mine = reinterpret_cast<float4 *>(args.partials) + slot_of(own) * slot_f4;
 #pragma unroll
     for (int q = 0; q < f4; ++q)
-      __stcg(&slots[(size_t(split) * f4 + q) * kConsumerThreads + ctid],
+      __stcg(&mine[q * kConsumerThreads + ctid],
              make_float4(flat[4 * q], flat[4 * q + 1], flat[4 * q + 2], flat[4 * q + 3]));
     __threadfence();
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
     if (ctid == 0) {
       const int done = atomicAdd(&args.counters[tile], 1);
-      is_last = done == args.splits - 1;
+      is_last = done == parts - 1;
       if (is_last) args.counters[tile] = 0;  // ready for the next call
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-    if (!is_last) return;
+    if (!is_last) continue;
     __threadfence();
 #pragma unroll
-    for (int i = 0; i < 4 * f4; ++i) flat[i] = 0.f;
-    for (int sp = 0; sp < args.splits; ++sp) {
+    for (int j = 0; j < 4 * f4; ++j) flat[j] = 0.f;
+    for (int part = 0; part < parts; ++part) {
+      const float4 *slot = slots + slot_of(part) * slot_f4;
 #pragma unroll
       for (int q = 0; q < f4; ++q) {
-        const float4 v = __ldcg(&slots[(size_t(sp) * f4 + q) * kConsumerThreads + ctid]);
+        const float4 v = __ldcg(&slot[q * kConsumerThreads + ctid]);
         flat[4 * q] += v.x;
         flat[4 * q + 1] += v.y;
         flat[4 * q + 2] += v.z;
@@ -599,6 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  }  // segments
 #elif defined(__CUDA_ARCH__)
   // Built for a device without wgmma (or for sm_90 without the "a"): fail
   // loudly rather than leave C unwritten. The launcher checks the image first.

@@ -335,7 +335,7 @@ def test_leading_dims_and_vmap_on_gpu(rng, dtype, with_bias):
 
 @pytest.mark.parametrize("dtype,m,k,n", [("float16", 64, 8192, 1024), ("bfloat16", 64, 8192, 1024),
                                          ("float16", 1041, 8192, 1024), ("float16", 64, 4096, 4096),
-                                         ("float16", 128, 4096, 4096)])
+                                         ("float16", 128, 4096, 4096), ("float16", 512, 8192, 10240)])
 @pytest.mark.gpu
 def test_repeated_calls_are_bit_identical(rng, dtype, m, k, n):
     # 100 calls inside one jitted loop (where XLA may capture the custom call
@@ -344,7 +344,8 @@ def test_repeated_calls_are_bit_identical(rng, dtype, m, k, n):
     # adds partial sums in a fixed order (m = 1041: several parallel 64-row
     # blocks and two launches through one reduce scratch). A race shows up
     # here as a run that differs (4096 x 4096 g128 at m = 64 and 128 caught the
-    # scale-fetch race fixed in fetch_to_shared).
+    # scale-fetch race fixed in fetch_to_shared). 8192 x 10240 at m = 512 is a
+    # stream-K launch of the prefill kernel (tiles cut between blocks).
     w = weight(k, n, 128, dtype)
     x = gpu(activations(rng, dtype, m, k))
 
@@ -446,6 +447,8 @@ PREFILL_TABLE_MS = [64, 100, 128, 200, 256, 384, 512, 700, 1024, 1500, 2048, 409
 PREFILL_TABLE_CASES = [(layer, m, "float16") for layer in PREFILL_TABLE_LAYERS
                        for m in PREFILL_TABLE_MS]
 PREFILL_TABLE_CASES += [((4096, 4096), m, "bfloat16") for m in PREFILL_TABLE_MS]
+# The table's stream-K entry (8192 x 10240 at m ~ 363..724) in bf16 too.
+PREFILL_TABLE_CASES += [((8192, 10240), m, "bfloat16") for m in (384, 512, 700)]
 
 
 @functools.lru_cache(maxsize=2)
@@ -531,6 +534,16 @@ ZP_CASES = [(layer, m) for layer in ZP_LAYERS for m in ZP_MS] + ZP_DECODE_CASES
 @pytest.mark.gpu
 def test_zero_points_match_float64(rng, dtype, layer, m):
     check_zero_points(rng, layer, m, dtype, bias=m % 2 == 1)
+
+
+@pytest.mark.parametrize("m", [384, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+def test_zero_points_stream_k_match_float64(rng, dtype, m):
+    # 8192 x 10240 at m ~ 363..724 is a stream-K launch in the prefill table:
+    # 128 x 256 tiles whose k stages are shared out among 132 blocks, a tile
+    # cut between blocks added up by the last to finish it.
+    check_zero_points(rng, (8192, 10240, 128), m, dtype, bias=m % 2 == 0)
 
 
 @pytest.mark.parametrize("layer,m", ZP_TILE_CASES,
