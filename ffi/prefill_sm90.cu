@@ -298,9 +298,11 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
 
   const int mi = int(m), ni = int(n), ki = int(k);
   const int m_tiles = int((m + config.block_m - 1) / config.block_m);
-  const int sk_blocks =
-      config.stream_k ? prefill_stream_k_blocks(m, n, k, config.block_m, config.block_n, info.sms) : 0;
-  const int64_t sk_total = prefill_tiles(m, n, config.block_m, config.block_n) * (k / kPrefillBlockK);
+  const int sk_blocks = config.stream_k ? prefill_stream_k_blocks(m, n, k, config.block_m,
+                                                                  config.block_n, info.sms)
+                                        : 0;
+  const int64_t sk_total =
+      prefill_tiles(m, n, config.block_m, config.block_n) * (k / kPrefillBlockK);
   if (config.stream_k && sk_total >= (int64_t(1) << 31))
     return "jax_marlin: problem too large for a stream-K prefill launch (" + str(sk_total) +
            " tile stages; 2^31 at most)";
@@ -317,8 +319,8 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
   }
   prefill::Args<half> args{static_cast<const uint32_t *>(B), static_cast<const half *>(s),
                            static_cast<const half *>(bias), static_cast<half *>(C), partials,
-                           counters, mi, ni, ki, config.splits, static_cast<const uint32_t *>(zeros),
-                           sk_blocks, m_tiles, sk_q, sk_r};
+                           counters, mi, ni, ki, config.splits,
+                           static_cast<const uint32_t *>(zeros), sk_blocks, m_tiles, sk_q, sk_r};
   return launch_tile(config, group_size, map, args, device, info.max_shared, pdl, stream);
 }
 

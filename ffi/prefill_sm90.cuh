@@ -509,8 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t a[kKSteps][wg_chunks][4];
   // The dequantization's constants from the zero points of this thread's
   // columns, per row of scales and chunk: per-column zero points (one row
-  // for all of k) are read once, here (a chunk past n, of a partial last
-  // tile, reads none: its columns are never written), grouped ones per stage.
+  // for all of k) are read once per tile, as its segment starts (a chunk past
+  // n, of a partial last tile, reads none: its columns are never written),
+  // grouped ones per stage.
   ZeroPoints<scalar_t> zp[scale_rows][wg_chunks];
   // The block's iterations in segments of one tile each (one segment unless
   // stream-K): a segment's sums are the tile's C, or a part of them added by
@@ -518,193 +519,193 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (Without stream-K the loop body runs once; written so, ptxas keeps the
   // 128-accumulator tiles free of spills, which it does not for i < iters.)
   for (int i = 0, segment = 0; stream_k ? i < iters : segment == 0; ++segment) {
-  int tile, kt0;
-  locate(i, tile, kt0);
-  const int seg_iters = !stream_k ? iters : k_tiles - kt0 < iters - i ? k_tiles - kt0 : iters - i;
-  const int seg_end = i + seg_iters;
-  const int m0 = tile % m_tiles * block_m, n0 = tile / m_tiles * block_n;
-  const int valid_chunks = valid_chunks_of(n0);
+    int tile, kt0;
+    locate(i, tile, kt0);
+    const int seg_iters = !stream_k ? iters : k_tiles - kt0 < iters - i ? k_tiles - kt0 : iters - i;
+    const int seg_end = i + seg_iters;
+    const int m0 = tile % m_tiles * block_m, n0 = tile / m_tiles * block_n;
+    const int valid_chunks = valid_chunks_of(n0);
 #pragma unroll
-  for (int c = 0; c < wg_chunks; ++c)
+    for (int c = 0; c < wg_chunks; ++c)
 #pragma unroll
-    for (int j = 0; j < acc_regs; ++j) acc[c][j] = 0.f;
-  if constexpr (has_zeros && group_size == -1) {
+      for (int j = 0; j < acc_regs; ++j) acc[c][j] = 0.f;
+    if constexpr (has_zeros && group_size == -1) {
+#pragma unroll
+      for (int c = 0; c < wg_chunks; ++c) {
+        const int chunk = cw * wg_chunks + c;
+        zp[0][c] = zero_points<scalar_t>(
+            chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0, warp);
+      }
+    }
+    for (; i < seg_end; ++i) {
+      const int s = i % stages;
+      mbar_wait(full_bar + 8 * s, (i / stages) & 1);
+      // Word 4 lane + warp of each of this warpgroup's chunks in each band.
+      const uint8_t *w_stage = smem + S::w_offset + s * S::w_stage + cw * wg_chunks * kChunkBytes;
+      int q[kKSteps][wg_chunks];
+#pragma unroll
+      for (int r = 0; r < kKSteps; ++r)
+#pragma unroll
+        for (int c = 0; c < wg_chunks; ++c)
+          q[r][c] = *reinterpret_cast<const int *>(w_stage + r * S::w_band + c * kChunkBytes +
+                                                   4 * (4 * lane + warp));
+      // Rows g, g + 8 of this warp are chunk columns 16 warp + g (+ 8), whose
+      // scales are stored at 8 g + 2 warp (+ 1) (the 8x8 transpose): one half2
+      // per row of scales and chunk holds both.
+      T2 s2[scale_rows][wg_chunks];
+      if constexpr (group_size != -1) {
+        const uint8_t *s_stage = smem + S::s_offset + s * S::s_stage + cw * wg_chunks * 128;
+#pragma unroll
+        for (int g = 0; g < scale_rows; ++g)
+#pragma unroll
+          for (int c = 0; c < wg_chunks; ++c)
+            s2[g][c] = *reinterpret_cast<const T2 *>(s_stage + g * S::s_row + c * 128 +
+                                                     2 * (8 * (lane / 4) + 2 * warp));
+      }
+      // The same columns' zero points: word lane / 4 of each chunk's 8, tile
+      // `warp` (marlin_kernel.cuh, zero_points), built into the dequantization's
+      // constants once per stage.
+      if constexpr (has_zeros && group_size != -1) {
+        const uint8_t *z_stage = smem + S::z_offset + s * S::z_stage + cw * wg_chunks * 32;
+#pragma unroll
+        for (int g = 0; g < scale_rows; ++g)
+#pragma unroll
+          for (int c = 0; c < wg_chunks; ++c)
+            zp[g][c] = zero_points<scalar_t>(
+                *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4)),
+                warp);
+      }
+      const uint32_t a_tile = base + S::a_offset + s * S::a_stage;
+#pragma unroll
+      for (int r = 0; r < kKSteps; ++r) {
+#pragma unroll
+        for (int c = 0; c < wg_chunks; ++c) {
+          wgmma_wait<groups - 1>();
+          // Every wgmma of the previous stage is done: its memory is free. One
+          // arrival per warp, after the warp's own wait (its shared loads fed
+          // those wgmmas, so they are done too).
+          if (r == kKSteps - 1 && c == wg_chunks - 1 && i > 0 && lane == 0)
+            mbar_arrive(empty_bar + 8 * ((i - 1) % stages));
+          // Column g (h = 0) or g + 8 (h = 1) of the warp's tile, with its zero point.
+          auto dequant_column = [&](int qw, int h) {
+            if constexpr (has_zeros) {
+              return dequant<scalar_t>(qw, zp[r * 16 * scale_rows / kPrefillBlockK][c], h);
+            } else {
+              return dequant<scalar_t>(qw);
+            }
+          };
+          FragB<scalar_t> lo = dequant_column(q[r][c], 0), hi = dequant_column(q[r][c] >> 8, 1);
+          if constexpr (group_size != -1) {
+            // lo holds column g's values, hi column g + 8's.
+            const T2 sr = s2[r * 16 * scale_rows / kPrefillBlockK][c];
+            const T2 s_lo = T2(sr.x, sr.x), s_hi = T2(sr.y, sr.y);
+            lo[0] = __hmul2(lo[0], s_lo);
+            lo[1] = __hmul2(lo[1], s_lo);
+            hi[0] = __hmul2(hi[0], s_hi);
+            hi[1] = __hmul2(hi[1], s_hi);
+          }
+          a[r][c][0] = reinterpret_cast<uint32_t &>(lo[0]);
+          a[r][c][1] = reinterpret_cast<uint32_t &>(hi[0]);
+          a[r][c][2] = reinterpret_cast<uint32_t &>(lo[1]);
+          a[r][c][3] = reinterpret_cast<uint32_t &>(hi[1]);
+          wgmma_fence();
+          Wgmma<block_m>::template mma<scalar_t>(acc[c], a[r][c], kmajor_sw128_desc(a_tile + 32 * r));
+          wgmma_commit();
+        }
+      }
+    }
+    wgmma_wait<0>();
+
+    if (stream_k ? seg_iters < k_tiles : args.splits > 1) {
+      // A part of the tile's k: its partial sums go to its slot in the
+      // threads' fragment order (coalesced float4s), and the last block of the
+      // tile to arrive adds all parts in k order. The parts: the splits of the
+      // tile, or with stream-K the blocks whose shares meet the tile, each with
+      // two slots (for its first segment and its last).
+      constexpr int f4 = wg_chunks * acc_regs / 4;
+      constexpr size_t slot_f4 = size_t(f4) * kConsumerThreads;
+      float *flat = &acc[0][0];
+      const float4 *slots = reinterpret_cast<const float4 *>(args.partials);
+      int first_block = 0, parts = args.splits, own = split;
+      if constexpr (stream_k) {
+        first_block = sk.block_of(tile * k_tiles);
+        parts = sk.block_of((tile + 1) * k_tiles - 1) - first_block + 1;
+        own = blockIdx.x - first_block;
+      }
+      auto slot_of = [&](int part) -> size_t {
+        if constexpr (!stream_k) {
+          return size_t(tile) * args.splits + part;
+        } else {
+          const int b = first_block + part;
+          return 2 * size_t(b) + (sk.first(b) / k_tiles != tile);  // 1: b began in an earlier tile
+        }
+      };
+      float4 *mine = reinterpret_cast<float4 *>(args.partials) + slot_of(own) * slot_f4;
+#pragma unroll
+      for (int q = 0; q < f4; ++q)
+        __stcg(&mine[q * kConsumerThreads + ctid],
+               make_float4(flat[4 * q], flat[4 * q + 1], flat[4 * q + 2], flat[4 * q + 3]));
+      __threadfence();
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+      if (ctid == 0) {
+        const int done = atomicAdd(&args.counters[tile], 1);
+        is_last = done == parts - 1;
+        if (is_last) args.counters[tile] = 0;  // ready for the next call
+      }
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+      if (!is_last) continue;
+      __threadfence();
+#pragma unroll
+      for (int j = 0; j < 4 * f4; ++j) flat[j] = 0.f;
+      for (int part = 0; part < parts; ++part) {
+        const float4 *slot = slots + slot_of(part) * slot_f4;
+#pragma unroll
+        for (int q = 0; q < f4; ++q) {
+          const float4 v = __ldcg(&slot[q * kConsumerThreads + ctid]);
+          flat[4 * q] += v.x;
+          flat[4 * q + 1] += v.y;
+          flat[4 * q + 2] += v.z;
+          flat[4 * q + 3] += v.w;
+        }
+      }
+    }
+
+    // Epilogue. Accumulator 4 j + 2 h + e of chunk c is row 16 warp + g + 8 h
+    // of the chunk (column n of C) and column 8 j + 2 t + e of the tile (row m
+    // of C), lane = 4 g + t. Per-column scales and the bias are applied in
+    // fp32, so each output is rounded once.
+    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int c = 0; c < wg_chunks; ++c) {
       const int chunk = cw * wg_chunks + c;
-      zp[0][c] = zero_points<scalar_t>(
-          chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0, warp);
-    }
-  }
-  for (; i < seg_end; ++i) {
-    const int s = i % stages;
-    mbar_wait(full_bar + 8 * s, (i / stages) & 1);
-    // Word 4 lane + warp of each of this warpgroup's chunks in each band.
-    const uint8_t *w_stage = smem + S::w_offset + s * S::w_stage + cw * wg_chunks * kChunkBytes;
-    int q[kKSteps][wg_chunks];
+      if (chunk >= valid_chunks) break;
+      const int col = n0 + 64 * chunk + 16 * warp + g;
+      float scale[2] = {1.f, 1.f}, bias[2] = {0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < kKSteps; ++r)
-#pragma unroll
-      for (int c = 0; c < wg_chunks; ++c)
-        q[r][c] = *reinterpret_cast<const int *>(w_stage + r * S::w_band + c * kChunkBytes +
-                                                 4 * (4 * lane + warp));
-    // Rows g, g + 8 of this warp are chunk columns 16 warp + g (+ 8), whose
-    // scales are stored at 8 g + 2 warp (+ 1) (the 8x8 transpose): one half2
-    // per row of scales and chunk holds both.
-    T2 s2[scale_rows][wg_chunks];
-    if constexpr (group_size != -1) {
-      const uint8_t *s_stage = smem + S::s_offset + s * S::s_stage + cw * wg_chunks * 128;
-#pragma unroll
-      for (int g = 0; g < scale_rows; ++g)
-#pragma unroll
-        for (int c = 0; c < wg_chunks; ++c)
-          s2[g][c] = *reinterpret_cast<const T2 *>(s_stage + g * S::s_row + c * 128 +
-                                                   2 * (8 * (lane / 4) + 2 * warp));
-    }
-    // The same columns' zero points: word lane / 4 of each chunk's 8, tile
-    // `warp` (marlin_kernel.cuh, zero_points), built into the dequantization's
-    // constants once per stage.
-    if constexpr (has_zeros && group_size != -1) {
-      const uint8_t *z_stage = smem + S::z_offset + s * S::z_stage + cw * wg_chunks * 32;
-#pragma unroll
-      for (int g = 0; g < scale_rows; ++g)
-#pragma unroll
-        for (int c = 0; c < wg_chunks; ++c)
-          zp[g][c] = zero_points<scalar_t>(
-              *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4)),
-              warp);
-    }
-    const uint32_t a_tile = base + S::a_offset + s * S::a_stage;
-#pragma unroll
-    for (int r = 0; r < kKSteps; ++r) {
-#pragma unroll
-      for (int c = 0; c < wg_chunks; ++c) {
-        wgmma_wait<groups - 1>();
-        // Every wgmma of the previous stage is done: its memory is free. One
-        // arrival per warp, after the warp's own wait (its shared loads fed
-        // those wgmmas, so they are done too).
-        if (r == kKSteps - 1 && c == wg_chunks - 1 && i > 0 && lane == 0)
-          mbar_arrive(empty_bar + 8 * ((i - 1) % stages));
-        // Column g (h = 0) or g + 8 (h = 1) of the warp's tile, with its zero point.
-        auto dequant_column = [&](int qw, int h) {
-          if constexpr (has_zeros) {
-            return dequant<scalar_t>(qw, zp[r * 16 * scale_rows / kPrefillBlockK][c], h);
-          } else {
-            return dequant<scalar_t>(qw);
-          }
-        };
-        FragB<scalar_t> lo = dequant_column(q[r][c], 0), hi = dequant_column(q[r][c] >> 8, 1);
-        if constexpr (group_size != -1) {
-          // lo holds column g's values, hi column g + 8's.
-          const T2 sr = s2[r * 16 * scale_rows / kPrefillBlockK][c];
-          const T2 s_lo = T2(sr.x, sr.x), s_hi = T2(sr.y, sr.y);
-          lo[0] = __hmul2(lo[0], s_lo);
-          lo[1] = __hmul2(lo[1], s_lo);
-          hi[0] = __hmul2(hi[0], s_hi);
-          hi[1] = __hmul2(hi[1], s_hi);
-        }
-        a[r][c][0] = reinterpret_cast<uint32_t &>(lo[0]);
-        a[r][c][1] = reinterpret_cast<uint32_t &>(hi[0]);
-        a[r][c][2] = reinterpret_cast<uint32_t &>(lo[1]);
-        a[r][c][3] = reinterpret_cast<uint32_t &>(hi[1]);
-        wgmma_fence();
-        Wgmma<block_m>::template mma<scalar_t>(acc[c], a[r][c], kmajor_sw128_desc(a_tile + 32 * r));
-        wgmma_commit();
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (group_size == -1)
+          scale[h] = ScalarType<scalar_t>::to_float(args.scales[column_scale_index(col + 8 * h)]);
+        if (args.bias) bias[h] = ScalarType<scalar_t>::to_float(args.bias[col + 8 * h]);
       }
-    }
-  }
-  wgmma_wait<0>();
-
-  if (stream_k ? seg_iters < k_tiles : args.splits > 1) {
-    // A part of the tile's k: its partial sums go to its slot in the
-    // threads' fragment order (coalesced float4s), and the last block of the
-    // tile to arrive adds all parts in k order. The parts: the splits of the
-    // tile, or with stream-K the blocks whose shares meet the tile, each with
-    // two slots (for its first segment and its last).
-    constexpr int f4 = wg_chunks * acc_regs / 4;
-    constexpr size_t slot_f4 = size_t(f4) * kConsumerThreads;
-    float *flat = &acc[0][0];
-    const float4 *slots = reinterpret_cast<const float4 *>(args.partials);
-    int first_block = 0, parts = args.splits, own = split;
-    if constexpr (stream_k) {
-      first_block = sk.block_of(tile * k_tiles);
-      parts = sk.block_of((tile + 1) * k_tiles - 1) - first_block + 1;
-      own = blockIdx.x - first_block;
-    }
-    auto slot_of = [&](int part) -> size_t {
-      if constexpr (!stream_k) {
-        return size_t(tile) * args.splits + part;
-      } else {
-        const int b = first_block + part;
-        return 2 * size_t(b) + (sk.first(b) / k_tiles != tile);  // 1: b began in an earlier tile
-      }
-    };
-    float4 *mine = reinterpret_cast<float4 *>(args.partials) + slot_of(own) * slot_f4;
 #pragma unroll
-    for (int q = 0; q < f4; ++q)
-      __stcg(&mine[q * kConsumerThreads + ctid],
-             make_float4(flat[4 * q], flat[4 * q + 1], flat[4 * q + 2], flat[4 * q + 3]));
-    __threadfence();
-    asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-    if (ctid == 0) {
-      const int done = atomicAdd(&args.counters[tile], 1);
-      is_last = done == parts - 1;
-      if (is_last) args.counters[tile] = 0;  // ready for the next call
-    }
-    asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-    if (!is_last) continue;
-    __threadfence();
+      for (int j = 0; j < block_m / 8; ++j) {
 #pragma unroll
-    for (int j = 0; j < 4 * f4; ++j) flat[j] = 0.f;
-    for (int part = 0; part < parts; ++part) {
-      const float4 *slot = slots + slot_of(part) * slot_f4;
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * j + 2 * t + e;
+          if (row < args.m) {
+            scalar_t *out = args.c + size_t(row) * args.n + col;
 #pragma unroll
-      for (int q = 0; q < f4; ++q) {
-        const float4 v = __ldcg(&slot[q * kConsumerThreads + ctid]);
-        flat[4 * q] += v.x;
-        flat[4 * q + 1] += v.y;
-        flat[4 * q + 2] += v.z;
-        flat[4 * q + 3] += v.w;
-      }
-    }
-  }
-
-  // Epilogue. Accumulator 4 j + 2 h + e of chunk c is row 16 warp + g + 8 h
-  // of the chunk (column n of C) and column 8 j + 2 t + e of the tile (row m
-  // of C), lane = 4 g + t. Per-column scales and the bias are applied in
-  // fp32, so each output is rounded once.
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int c = 0; c < wg_chunks; ++c) {
-    const int chunk = cw * wg_chunks + c;
-    if (chunk >= valid_chunks) break;
-    const int col = n0 + 64 * chunk + 16 * warp + g;
-    float scale[2] = {1.f, 1.f}, bias[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (group_size == -1)
-        scale[h] = ScalarType<scalar_t>::to_float(args.scales[column_scale_index(col + 8 * h)]);
-      if (args.bias) bias[h] = ScalarType<scalar_t>::to_float(args.bias[col + 8 * h]);
-    }
-#pragma unroll
-    for (int j = 0; j < block_m / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = m0 + 8 * j + 2 * t + e;
-        if (row < args.m) {
-          scalar_t *out = args.c + size_t(row) * args.n + col;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float v = acc[c][4 * j + 2 * h + e] * scale[h] + bias[h];
-            if constexpr (std::is_same_v<scalar_t, half>)
-              out[8 * h] = __float2half_rn(v);
-            else
-              out[8 * h] = __float2bfloat16_rn(v);
+            for (int h = 0; h < 2; ++h) {
+              const float v = acc[c][4 * j + 2 * h + e] * scale[h] + bias[h];
+              if constexpr (std::is_same_v<scalar_t, half>)
+                out[8 * h] = __float2half_rn(v);
+              else
+                out[8 * h] = __float2bfloat16_rn(v);
+            }
           }
         }
       }
     }
-  }
   }  // segments
 #elif defined(__CUDA_ARCH__)
   // Built for a device without wgmma (or for sm_90 without the "a"): fail
