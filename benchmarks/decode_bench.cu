@@ -3,7 +3,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
 //   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep] [--chain]
-//                  [--reps N] m:k:n ...
+//                  [--memset-counters] [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
 // the launcher picks: the decode kernel for m <= 16 on sm_90 unless
@@ -20,7 +20,10 @@
 // an imported asymmetric checkpoint), to time their cost against the
 // symmetric kernels; --act-order a random permutation of x's columns (an
 // imported GPTQ desc_act checkpoint). Their correctness is the GPU tests'
-// (--check refuses them).
+// (--check refuses them). The Marlin kernel's locks are zeroed once and left
+// zero by every kernel, as a JAX call site's are (ffi/zeroed_counters.h);
+// --memset-counters has the launcher zero them before every call instead (a
+// second launch, as before 2026-12-04's zeroed counters).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -48,6 +51,7 @@ using bench::time_calls;
 bool g_bf16 = false;
 bool g_zeros = false;
 bool g_act_order = false;
+bool g_memset_counters = false;
 int g_group = 128;
 int g_failures = 0;
 
@@ -109,6 +113,7 @@ Buffers allocate(const Case &c, cudaStream_t stream) {
   fill_float<<<1024, 256, 0, stream>>>(static_cast<uint16_t *>(b.A), size_t(c.m) * c.k, 5, -1.f, 1.f, g_bf16);
   fill_float<<<64, 256, 0, stream>>>(static_cast<uint16_t *>(b.bias), c.n, 7, -0.5f, 0.5f, g_bf16);
   check(cudaMalloc(&b.workspace, marlin::workspace_size(c.m, c.n) * sizeof(int)), "cudaMalloc locks");
+  check(cudaMemset(b.workspace, 0, marlin::workspace_size(c.m, c.n) * sizeof(int)), "memset locks");
   const int64_t scratch = marlin::reduce_scratch_size(c.m, c.n, c.k, g_act_order);
   check(cudaMalloc(&b.scratch, scratch * sizeof(float)), "cudaMalloc scratch");
   if (g_act_order) {
@@ -145,7 +150,7 @@ std::string call(const Case &c, const Buffers &b, int copy, const marlin::Decode
     return marlin::decode_matmul(x, b.B[copy], b.s[copy], z, b.perm, bp, b.C, c.m, c.n, c.k,
                                  g_group, g_bf16, config, true, stream);
   return marlin::matmul(x, b.B[copy], b.s[copy], z, b.perm, bp, b.C, c.m, c.n, c.k, g_group,
-                        g_bf16, b.workspace, b.scratch, stream);
+                        g_bf16, b.workspace, b.scratch, stream, !g_memset_counters);
 }
 
 // Float64 product on six 64-column chunks, from the packed layout (the facts
@@ -246,6 +251,7 @@ int main(int argc, char **argv) {
     else if (a == "--bf16") g_bf16 = true;
     else if (a == "--zeros") g_zeros = true;
     else if (a == "--act-order") g_act_order = true;
+    else if (a == "--memset-counters") g_memset_counters = true;
     else if (a == "--group" && i + 1 < argc) g_group = std::atoi(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else {

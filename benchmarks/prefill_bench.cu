@@ -10,6 +10,7 @@
 //   ./prefill_bench --sweep              time every tile and split per case
 //   ./prefill_bench --tile 128x256 --splits 2    force one configuration
 //   ./prefill_bench --tile 128x256 --stream-k    force a stream-K launch of that tile
+//   ./prefill_bench --memset-counters    zero the counters before every launch (see Scratch)
 // (-DNO_CUBLAS builds without the baseline and the full-output comparison.)
 //
 // Weights: random 32-bit words (every nibble pattern is a weight) in Marlin's
@@ -321,11 +322,20 @@ struct Output {
   void release() { cudaFree(base); }
 };
 
+// --memset-counters: the launcher zeroes the counters before every split or
+// stream-K launch (a second launch, as before 2026-12-04's zeroed counters);
+// by default they are zeroed once here and every kernel leaves them zero, as
+// a JAX call site's are (ffi/zeroed_counters.h), so every case after the
+// first also checks that the kernels before it left them zero.
+bool g_memset_counters = false;
+
 struct Scratch {
   int *counters = nullptr;
   float *partials = nullptr;
   void allocate(int64_t m, int64_t n, int64_t k) {
-    check(cudaMalloc(&counters, std::max<int64_t>(1, marlin::prefill_counters_size(m, n)) * 4), "cudaMalloc counters");
+    const int64_t count = std::max<int64_t>(1, marlin::prefill_counters_size(m, n));
+    check(cudaMalloc(&counters, count * 4), "cudaMalloc counters");
+    check(cudaMemset(counters, 0, count * 4), "memset counters");
     check(cudaMalloc(&partials, std::max<int64_t>(1, marlin::prefill_partials_size(m, n, k)) * 4), "cudaMalloc partials");
   }
   void release() {
@@ -355,9 +365,11 @@ std::string run(const Call &call, const void *x, const uint32_t *qweight, const 
                  (b ? " bias" : "");
   if (call.config.block_m == 0)
     return marlin::prefill_matmul(x, qweight, scales, nullptr, b, c, m, n, k, group_size, bf16,
-                                  scratch.counters, scratch.partials, stream);
+                                  scratch.counters, scratch.partials, stream, false,
+                                  !g_memset_counters);
   return marlin::prefill_matmul_config(call.config, x, qweight, scales, nullptr, b, c, m, n, k, group_size,
-                                       bf16, scratch.counters, scratch.partials, stream);
+                                       bf16, scratch.counters, scratch.partials, stream, false,
+                                       !g_memset_counters);
 }
 
 
@@ -895,6 +907,7 @@ int main(int argc, char **argv) {
     }
     else if (a == "--splits") opt.force.splits = std::atoi(value().c_str());
     else if (a == "--stream-k") opt.force.stream_k = true;
+    else if (a == "--memset-counters") g_memset_counters = true;
     else if (a == "--shapes") {
       opt.shapes.clear();
       for (auto &s : split_list(value())) {

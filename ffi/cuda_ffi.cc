@@ -1,14 +1,24 @@
 // XLA FFI handler for jax_marlin_matmul on CUDA: read the buffers, re-check
-// them, launch the Marlin kernel on XLA's stream.
+// them, launch the kernels on XLA's stream. Two stages: at instantiation a
+// call site gets its ZeroedCounters, which each execution then passes to the
+// launcher as its counters instead of zeroing the workspace result.
 #include <cuda_runtime_api.h>
+
+#include <memory>
 
 #include "ffi_common.h"
 #include "marlin_kernel.h"
+#include "zeroed_counters.h"
 
 namespace jax_marlin {
 namespace {
 
-ffi::Error MatmulCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight,
+ffi::ErrorOr<std::unique_ptr<ZeroedCounters>> InstantiateCuda() {
+  return std::make_unique<ZeroedCounters>();
+}
+
+ffi::Error MatmulCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::AnyBuffer x,
+                      ffi::Buffer<ffi::S32, 2> qweight,
                       ffi::AnyBuffer scales, ffi::Buffer<ffi::S32, 2> zeros,
                       ffi::Buffer<ffi::S32, 1> perm, ffi::AnyBuffer bias,
                       ffi::Result<ffi::AnyBuffer> y,
@@ -24,13 +34,18 @@ ffi::Error MatmulCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
       return ffi::Error::Internal(std::string("jax_marlin: cudaMemsetAsync failed: ") +
                                   cudaGetErrorString(error));
   }
+  // The call site's own zeroed counters if they can be had (they always can,
+  // short of device memory), else the workspace result, zeroed by the
+  // launcher.
+  int *counters = nullptr;
+  zeroed->get(workspace->element_count(), &counters);
   std::string why = marlin::matmul(
       x.untyped_data(), qweight.untyped_data(), scales.untyped_data(),
       dims->has_zeros ? zeros.untyped_data() : nullptr,
       dims->has_perm ? perm.typed_data() : nullptr,
       dims->has_bias ? bias.untyped_data() : nullptr, y->untyped_data(), dims->m, dims->n,
-      dims->k, group_size, dims->bf16, workspace->typed_data(), reduce_scratch->typed_data(),
-      stream);
+      dims->k, group_size, dims->bf16, counters ? counters : workspace->typed_data(),
+      reduce_scratch->typed_data(), stream, counters != nullptr);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
 }
@@ -38,10 +53,16 @@ ffi::Error MatmulCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
 }  // namespace
 }  // namespace jax_marlin
 
-// The handler only enqueues a memset and kernel launches on the given stream
-// and allocates nothing, so XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate, jax_marlin::InstantiateCuda,
+                              xla::ffi::Ffi::BindInstantiate());
+
+// The handler only enqueues kernel launches (and, should its counters be
+// missing, a memset) on the given stream; the one allocation, its call
+// site's counters at the first execution, stays outside any capture, so XLA
+// may capture the handler into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMarlinMatmulCuda, jax_marlin::MatmulCuda,
-    jax_marlin::bind_matmul(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()
+                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                .Ctx<xla::ffi::State<jax_marlin::ZeroedCounters>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

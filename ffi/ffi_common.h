@@ -12,7 +12,9 @@
 //                                   order); [0]: x as it is
 //   bias      f16|bf16 [n] or [0]   added to y in the epilogue; [0]: no bias
 //   -> y      f16|bf16 [..., n]
-//   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA)
+//   -> workspace       s32 [>= workspace_size(m, n)]      lock counters (CUDA;
+//                      used only if the call site's own zeroed counters,
+//                      zeroed_counters.h, cannot be allocated)
 //   -> reduce_scratch  f32 [>= reduce_scratch_size(m, n, k, act_order)] fp32
 //                      partial sums handed between thread blocks, and with a
 //                      perm the permuted x (CUDA)

@@ -158,7 +158,7 @@ std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_b
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
                    const int *perm, const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                    int64_t group_size, bool bf16, int *workspace, float *reduce_scratch,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool workspace_zeroed) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -194,13 +194,16 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
                          policy.pdl, stream);
   if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
     return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,
-                          reduce_scratch, stream, policy.pdl);
+                          reduce_scratch, stream, policy.pdl, workspace_zeroed);
 
   // The locks must be zero when the kernel starts; each launch leaves them at
-  // zero again, so one memset per call covers every launch below. The fp32
-  // scratch needs no initial value: the first block of a tile writes it.
-  if (cudaError_t error = cudaMemsetAsync(workspace, 0, marlin_locks_size(m, n) * sizeof(int), stream))
-    return cuda_error("cudaMemsetAsync", error);
+  // zero again, so one memset per call (if any) covers every launch below.
+  // The fp32 scratch needs no initial value: the first block of a tile
+  // writes it.
+  if (!workspace_zeroed)
+    if (cudaError_t error =
+            cudaMemsetAsync(workspace, 0, marlin_locks_size(m, n) * sizeof(int), stream))
+      return cuda_error("cudaMemsetAsync", error);
 
   const ThreadConfig &config = *choose_config(m, n, k);
   const int group_blocks = group_size == -1 ? -1 : int(group_size / kTile);

@@ -21,8 +21,12 @@
 
 namespace marlin {
 
-// Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s;
-// it is zeroed on the stream before the first launch. `reduce_scratch` holds
+// Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s
+// of counters, which must be zero when a kernel starts; every kernel leaves
+// them zero. With `workspace_zeroed` the caller vouches that they are (a
+// buffer zeroed once and used only by calls in stream order), otherwise the
+// launcher zeroes them on the stream first, a second launch where a split
+// needs them. `reduce_scratch` holds
 // reduce_scratch_size(m, n, k, perm != null) floats (no initial value needed):
 // thread blocks that share an output tile sum their partial results there in
 // fp32, and with a perm the permuted A is written there. Returns
@@ -31,6 +35,7 @@ namespace marlin {
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
                    const int *perm, const void *bias, void *C,
                    int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
-                   int *workspace, float *reduce_scratch, cudaStream_t stream);
+                   int *workspace, float *reduce_scratch, cudaStream_t stream,
+                   bool workspace_zeroed = false);
 
 }  // namespace marlin

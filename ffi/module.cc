@@ -18,6 +18,8 @@
 namespace nb = nanobind;
 
 #ifdef JAX_MARLIN_CUDA_MODULE
+#include "zeroed_counters.h"
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCuda);
 #define JAX_MARLIN_MODULE _marlin_cuda
 #define JAX_MARLIN_MATMUL JaxMarlinMatmulCuda
@@ -30,8 +32,31 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCpu);
 NB_MODULE(JAX_MARLIN_MODULE, m) {
   m.def("registrations", []() {
     nb::dict targets;
+#ifdef JAX_MARLIN_CUDA_MODULE
+    // Two stages: instantiation makes the call site's ZeroedCounters.
+    nb::dict stages;
+    stages["instantiate"] =
+        nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
+    stages["execute"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
+    targets["jax_marlin_matmul"] = stages;
+#else
     targets["jax_marlin_matmul"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
+#endif
     return targets;
+  });
+  m.def("types", []() {
+    // The FFI state types the handlers use, registered before them.
+    nb::dict types;
+#ifdef JAX_MARLIN_CUDA_MODULE
+    static constexpr XLA_FFI_TypeInfo zeroed_counters_info =
+        xla::ffi::MakeTypeInfo<jax_marlin::ZeroedCounters>();
+    nb::dict zeroed_counters;
+    zeroed_counters["type_id"] = nb::capsule(&jax_marlin::ZeroedCounters::id);
+    zeroed_counters["type_info"] =
+        nb::capsule(const_cast<XLA_FFI_TypeInfo *>(&zeroed_counters_info));
+    types["jax_marlin_zeroed_counters"] = zeroed_counters;
+#endif
+    return types;
   });
   m.def("ffi_api_version", []() { return std::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
         "(major, minor) of the XLA FFI headers the handlers were built with.");

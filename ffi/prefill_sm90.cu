@@ -246,7 +246,7 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
                                   const void *s, const void *zeros, const void *bias, void *C,
                                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                                   int *counters, float *partials, cudaStream_t stream,
-                                  bool pdl) {
+                                  bool pdl, bool counters_zeroed) {
   auto str = [](int64_t v) { return std::to_string(v); };
   if (!is_group_size(group_size))
     return "jax_marlin: group_size must be -1, 32, 64 or 128, got " + str(group_size);
@@ -291,7 +291,7 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
 
   CUtensorMap map;
   if (std::string why = encode_a_map(&map, A, m, k, config.block_m, bf16); !why.empty()) return why;
-  if (shared_tiles)
+  if (shared_tiles && !counters_zeroed)
     if (cudaError_t error = cudaMemsetAsync(
             counters, 0, prefill_tiles(m, n, config.block_m, config.block_n) * sizeof(int), stream))
       return cuda_error("cudaMemsetAsync", error);
@@ -327,7 +327,7 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
 std::string prefill_matmul(const void *A, const void *B, const void *s, const void *zeros,
                            const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                            int64_t group_size, bool bf16, int *counters, float *partials,
-                           cudaStream_t stream, bool pdl) {
+                           cudaStream_t stream, bool pdl, bool counters_zeroed) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -336,7 +336,8 @@ std::string prefill_matmul(const void *A, const void *B, const void *s, const vo
   if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
   const DeviceInfo &info = *device_attrs;
   return prefill_matmul_config(prefill_choose(m, n, k, info.sms), A, B, s, zeros, bias, C, m, n,
-                               k, group_size, bf16, counters, partials, stream, pdl);
+                               k, group_size, bf16, counters, partials, stream, pdl,
+                               counters_zeroed);
 }
 
 }  // namespace marlin

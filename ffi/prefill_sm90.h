@@ -27,6 +27,9 @@ PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms);
 // Launches C = A @ dequant(B, s) + bias on `stream` with the chosen
 // configuration. `counters` holds prefill_counters_size(m, n) int32s and
 // `partials` prefill_partials_size(m, n, k) floats (no initial values needed).
+// Split and stream-K launches need the counters zero and leave them zero:
+// with `counters_zeroed` the caller vouches that they are, otherwise the
+// launcher zeroes them on the stream first (a second launch).
 // A, B, s and zeros must be 16-byte aligned. With `pdl` the launch may start
 // while the previous kernel on the stream finishes (programmatic dependent
 // launch): it requests its first weights, then waits for that kernel before
@@ -35,7 +38,7 @@ PrefillConfig prefill_choose(int64_t m, int64_t n, int64_t k, int sms);
 std::string prefill_matmul(const void *A, const void *B, const void *s, const void *zeros,
                            const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                            int64_t group_size, bool bf16, int *counters, float *partials,
-                           cudaStream_t stream, bool pdl = false);
+                           cudaStream_t stream, bool pdl = false, bool counters_zeroed = false);
 
 // The same with a given configuration (for measurements and tests). It runs
 // any m >= 1 and any k, n that are multiples of 64 (k of the group size).
@@ -43,6 +46,6 @@ std::string prefill_matmul_config(const PrefillConfig &config, const void *A, co
                                   const void *s, const void *zeros, const void *bias, void *C,
                                   int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                                   int *counters, float *partials, cudaStream_t stream,
-                                  bool pdl = false);
+                                  bool pdl = false, bool counters_zeroed = false);
 
 }  // namespace marlin

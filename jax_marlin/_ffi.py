@@ -84,5 +84,8 @@ for _module in (_marlin_cpu, _marlin_cuda):
 for _name, _capsule in _marlin_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 if HAS_CUDA:
+    # State types first: a handler's registration names the type of its state.
+    for _name, _registration in _marlin_cuda.types().items():
+        jax.ffi.register_ffi_type(_name, _registration, platform="CUDA")
     for _name, _capsule in _marlin_cuda.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")

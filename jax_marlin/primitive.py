@@ -44,11 +44,13 @@ def _impl(x, qweight, scales, zeros, perm, bias, **params):
 
 
 def _lowering(ctx, x, qweight, scales, zeros, perm, bias, *, k, n, group_size, poison_output):
-    # The kernel's lock counters and its fp32 reduction buffer are extra
-    # results that XLA allocates, dropped here: a fixed buffer per call site
-    # (no allocation in the handler), which keeps the call capturable into a
-    # CUDA graph. They stay out of the primitive's abstract value, so batching
-    # and partitioning rules deal with y alone.
+    # The kernel's fp32 reduction buffer and a lock-counter buffer are extra
+    # results that XLA allocates, dropped here: a fixed buffer per call site,
+    # which keeps the call capturable into a CUDA graph. (The CUDA handler
+    # uses its call site's own counters, zeroed once, and the workspace only
+    # if those cannot be had: ffi/zeroed_counters.h.) They stay out of the
+    # primitive's abstract value, so batching and partitioning rules deal
+    # with y alone.
     m = int(np.prod(ctx.avals_in[0].shape[:-1], dtype=np.int64))
     workspace = ShapedArray((shapes.workspace_size(m, n),), jnp.int32)
     act_order = ctx.avals_in[4].shape[0] > 0

@@ -10,6 +10,10 @@ built with CUDA. Every kernel run fills its output with NaN first
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -335,17 +339,24 @@ def test_leading_dims_and_vmap_on_gpu(rng, dtype, with_bias):
 
 @pytest.mark.parametrize("dtype,m,k,n", [("float16", 64, 8192, 1024), ("bfloat16", 64, 8192, 1024),
                                          ("float16", 1041, 8192, 1024), ("float16", 64, 4096, 4096),
-                                         ("float16", 128, 4096, 4096), ("float16", 512, 8192, 10240)])
+                                         ("float16", 128, 4096, 4096), ("float16", 512, 8192, 10240),
+                                         ("float16", 16, 8192, 10240), ("float16", 33, 14336, 4096),
+                                         ("bfloat16", 48, 8192, 1024)])
 @pytest.mark.gpu
 def test_repeated_calls_are_bit_identical(rng, dtype, m, k, n):
     # 100 calls inside one jitted loop (where XLA may capture the custom call
     # into a CUDA graph) and 100 separate dispatches all give the same bits:
-    # the lock workspace is zeroed every call and the fp32 global reduction
-    # adds partial sums in a fixed order (m = 1041: several parallel 64-row
-    # blocks and two launches through one reduce scratch). A race shows up
-    # here as a run that differs (4096 x 4096 g128 at m = 64 and 128 caught the
-    # scale-fetch race fixed in fetch_to_shared). 8192 x 10240 at m = 512 is a
-    # stream-K launch of the prefill kernel (tiles cut between blocks).
+    # the counters, zeroed once per call site (ffi/zeroed_counters.h), are
+    # left zero by every kernel, and the fp32 global reduction adds partial
+    # sums in a fixed order (m = 1041: several parallel 64-row blocks and two
+    # launches through one reduce scratch). A counter left non-zero shows up
+    # here as a wrong or unwritten (NaN) output, or a hang of the Marlin
+    # kernel's locks; a race as a run that differs (4096 x 4096 g128 at m = 64
+    # and 128 caught the scale-fetch race fixed in fetch_to_shared). On sm_90
+    # 8192 x 10240 at m = 512 is a stream-K launch of the prefill kernel
+    # (tiles cut between blocks), m = 64-1041 split launches of it where its
+    # table says so, m = 16, 33 and 48 the Marlin kernel with k split between
+    # blocks through its locks.
     w = weight(k, n, 128, dtype)
     x = gpu(activations(rng, dtype, m, k))
 
@@ -364,6 +375,40 @@ def test_repeated_calls_are_bit_identical(rng, dtype, m, k, n):
         np.testing.assert_array_equal(ys[i], first)
     for _ in range(100):
         np.testing.assert_array_equal(np.asarray(marlin(x, w, poison=False)), first)
+
+
+@pytest.mark.gpu
+def test_first_call_captured_into_a_cuda_graph():
+    # A call site's counters are allocated and zeroed at its first execution,
+    # which XLA may run while it captures a CUDA graph (command buffers on
+    # for custom calls, even for a one-op graph): the allocation must stay
+    # out of the graph and the counters be zero when the kernel runs. A fresh
+    # process, so that the call sites are new; the Marlin kernel's locks (m =
+    # 16, 8192 x 10240) and the prefill kernel's split counters (m = 64,
+    # 8192 x 1024), each called 5 times, against float64.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        import jax_marlin as jm
+        for m, k, n in [(16, 8192, 10240), (64, 8192, 1024)]:
+            w = jm.quantize(jax.random.normal(jax.random.key(n), (k, n), jnp.float32),
+                            group_size=128, dtype=jnp.float16)
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.float16)
+            f = jax.jit(lambda x, w: jm.matmul(x * 1, w) * 1)
+            ref = np.asarray(x, np.float64) @ np.asarray(jm.dequantize(w, jnp.float32), np.float64)
+            for _ in range(5):
+                y = np.asarray(f(x, w), np.float64)
+                err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+                print(m, k, n, f"{err:.2e}")
+                assert err <= 1e-3, err
+        print("ok")
+    """)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300)
+    print(out.stdout, out.stderr[-3000:])
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok")
 
 
 # The decode kernel (m <= 16 on sm_90; the Marlin kernel elsewhere): every m,
