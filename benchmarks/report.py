@@ -382,6 +382,8 @@ def readme_table(result, results_path: pathlib.Path, readme_path: pathlib.Path) 
     method = result["method"]
     lines = [
         f"{result['gpu']}, jax {result['jax']}, {result.get('date', '')}"
+        + (f", copy bandwidth {result['copy_tbps']:.2f} TB/s in this run" if "copy_tbps" in result
+           else "")
         + (f"; kernel: {result['kernel']}" if "kernel" in result else "") + ". "
         f"Device µs per matmul, weights streamed from HBM ({method['rotate']} weight sets "
         f"rotated), median of {method['repeats']} (`benchmarks/bench_matmul.py`; every m, "
