@@ -35,7 +35,14 @@ formulation. ``--inner N`` applies the weight sets to N distinct copies of
 ``x`` in the same call (N * ROTATE matmuls per dispatch), for layers whose
 matmul is shorter than the host's dispatch of a call; jax_marlin rows only:
 XLA merges dots that share a weight into one dot, so the XLA rows keep one
-copy. Rows record their ``inner``. Median and spread (max - min) over
+copy. Rows record their ``inner``. ``--outputs sum`` adds the products
+inside the call (one float32 fusion reading them all, the same for every
+variant) instead of returning each, so that they are temporaries of the
+executable. What it tests: XLA re-records a command of its command buffer
+(CUDA graph) when that command's buffers have moved, and for an FFI custom
+call that means tracing the handler into a new nested graph, where a kernel
+command (XLA's dots) only updates its arguments; returned products get new
+buffers at every dispatch. Rows record their ``outputs``. Median and spread (max - min) over
 ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its relative
 error against ``x @ dequantize(w)`` in float32, unrounded, so a fast wrong
 kernel cannot report. A device-to-device copy in the same process gives
@@ -190,18 +197,15 @@ def imported(w: jm.MarlinWeight, key, layout: str) -> jm.MarlinWeight:
 
 
 # Each takes a list of activations (``--inner`` distinct copies for jax_marlin,
-# one for XLA) and the ROTATE weight sets.
-@jax.jit
+# one for XLA) and the ROTATE weight sets, and returns the list of products.
 def _marlin(xs, ws):
     return [jm.matmul(x, w) for x in xs for w in ws]
 
 
-@jax.jit
 def _dense(xs, ws):
     return [x @ w for x in xs for w in ws]
 
 
-@jax.jit
 def _int4(xs, ws):
     out = []
     for x in xs:
@@ -212,7 +216,21 @@ def _int4(xs, ws):
     return out
 
 
-FUNCTIONS = {"jax_marlin": _marlin, "xla_fp16": _dense, "xla_bf16": _dense, "xla_int4": _int4}
+def _summed(products):
+    # The products added in float32 inside the call (one fusion reading them
+    # all), so that they are temporaries of the executable rather than its
+    # results.
+    return lambda xs, ws: sum(y.astype(jnp.float32) for y in products(xs, ws))
+
+
+# --outputs list: the products are the call's results, in buffers that are new
+# at every dispatch; sum: see _summed.
+FUNCTIONS = {
+    outputs: {impl: jax.jit(f if outputs == "list" else _summed(f))
+              for impl, f in (("jax_marlin", _marlin), ("xla_fp16", _dense), ("xla_bf16", _dense),
+                              ("xla_int4", _int4))}
+    for outputs in ("list", "sum")
+}
 
 
 def rel_err(x, w) -> float:
@@ -224,7 +242,7 @@ def rel_err(x, w) -> float:
 
 
 def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
-                inner: int = 1) -> None:
+                inner: int = 1, outputs: str = "list") -> None:
     k, n = LAYERS[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
@@ -236,9 +254,10 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
             # Distinct buffers, so XLA cannot merge the custom calls.
             copies = inner if impl == "jax_marlin" else 1
             xs_inner = [x] + [jnp.array(x, copy=True) for _ in range(copies - 1)]
-            median, spread = timeit(FUNCTIONS[impl], xs_inner, ws, inner=copies)
+            median, spread = timeit(FUNCTIONS[outputs][impl], xs_inner, ws, inner=copies)
             rec = dict(layer=name, k=k, n=n, m=m, dtype=dtype, impl=impl, variant=v,
-                       group_size=group_size, layout=layout, inner=copies, median_us=round(median, 2),
+                       group_size=group_size, layout=layout, inner=copies, outputs=outputs,
+                       median_us=round(median, 2),
                        spread_us=round(spread, 2), tbps=None, rel_err=None)
             if impl == "jax_marlin":
                 moved = ws[0].nbytes + x.dtype.itemsize * (m * k + m * n)
@@ -260,6 +279,9 @@ def main(argv=None) -> int:
     parser.add_argument("--inner", type=int, default=1,
                         help="jax_marlin rows: distinct copies of x per call (matmuls per dispatch: "
                              "inner x 8); XLA rows always use 1")
+    parser.add_argument("--outputs", choices=["list", "sum"], default="list",
+                        help="list: every product a result of the call; sum: the products added "
+                             "inside the call, so that they are temporaries (rows record it)")
     parser.add_argument("--out", help="results JSON, rewritten after every layer")
     parser.add_argument("--append", action="store_true",
                         help="keep the records of --out that this run does not measure again "
@@ -277,6 +299,7 @@ def main(argv=None) -> int:
     result = dict(gpu=device.device_kind, jax=jax.__version__,
                   date=datetime.date.today().isoformat(),
                   method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS, inner=args.inner,
+                              outputs=args.outputs,
                               rel_err="against x @ dequantize(w) in float32, unrounded",
                               x="one [m, k] argument per call, never a slice of a stacked array"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
@@ -294,7 +317,8 @@ def main(argv=None) -> int:
               f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
 
     for name in layers:
-        bench_layer(name, ms, variants, result["records"], log, inner=args.inner)
+        bench_layer(name, ms, variants, result["records"], log, inner=args.inner,
+                    outputs=args.outputs)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

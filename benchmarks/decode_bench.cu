@@ -2,7 +2,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
-//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep] [--chain]
+//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep [--graph]] [--chain]
 //                  [--memset-counters] [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
@@ -12,7 +12,8 @@
 // CUDA events, median of 7. --chain also times a chain of dependent calls
 // (each call's output feeds a small kernel that writes the next call's
 // input, as in a decode step), launched on the stream and replayed as a CUDA
-// graph. --sweep times every decode configuration. --check compares the
+// graph. --sweep times every decode configuration (as independent calls, or
+// with --graph per call in that graph of dependent calls). --check compares the
 // output (NaN-poisoned first) with a float64 host product on six 64-column
 // chunks (first, last, four spread between) with and without a bias, checks
 // that repeats are bit-identical, and does so for every configuration with
@@ -226,6 +227,27 @@ void check_case(const Case &c, const Buffers &b, const marlin::DecodeConfig &con
   }
 }
 
+// Microseconds per call of `step` (which enqueues one call and its next_input)
+// in a CUDA graph of 64 steps, replayed; `other` the same for next_input alone.
+template <typename Step, typename Other>
+float time_in_graph(Step &&step, Other &&other, cudaStream_t stream) {
+  auto capture64 = [&](auto &&call, cudaGraph_t *graph, cudaGraphExec_t *exec) {
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    for (int i = 0; i < 64; ++i) call(i);
+    check(cudaStreamEndCapture(stream, graph), "end capture");
+    check(cudaGraphInstantiate(exec, *graph, 0), "instantiate");
+  };
+  cudaGraph_t graph, graph_other;
+  cudaGraphExec_t exec, exec_other;
+  capture64(step, &graph, &exec);
+  capture64(other, &graph_other, &exec_other);
+  const float all = time_calls([&](int) { check(cudaGraphLaunch(exec, stream), "graph"); }, 10, stream);
+  const float alone = time_calls([&](int) { check(cudaGraphLaunch(exec_other, stream), "graph"); }, 10, stream);
+  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+  cudaGraphExecDestroy(exec_other), cudaGraphDestroy(graph_other);
+  return (all - alone) / 64;
+}
+
 std::vector<marlin::DecodeConfig> all_configs(const Case &c) {
   std::vector<marlin::DecodeConfig> out;
   for (int cw : {1, 2, 4, 8})
@@ -240,7 +262,7 @@ std::vector<marlin::DecodeConfig> all_configs(const Case &c) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  bool do_check = false, sweep = false, chain = false;
+  bool do_check = false, sweep = false, chain = false, sweep_graph = false;
   int reps = 200;
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
@@ -248,6 +270,7 @@ int main(int argc, char **argv) {
     if (a == "--check") do_check = true;
     else if (a == "--sweep") sweep = true;
     else if (a == "--chain") chain = true;
+    else if (a == "--graph") sweep_graph = true;
     else if (a == "--bf16") g_bf16 = true;
     else if (a == "--zeros") g_zeros = true;
     else if (a == "--act-order") g_act_order = true;
@@ -307,21 +330,7 @@ int main(int argc, char **argv) {
       chain_us = time_calls(step, reps, stream) - other;
       // The same chain captured once into a graph of 64 steps (what XLA's
       // command buffers do), replayed.
-      auto capture64 = [&](auto &&call, cudaGraph_t *graph, cudaGraphExec_t *exec) {
-        check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-        for (int i = 0; i < 64; ++i) call(i);
-        check(cudaStreamEndCapture(stream, graph), "end capture");
-        check(cudaGraphInstantiate(exec, *graph, 0), "instantiate");
-      };
-      cudaGraph_t graph, graph_alone;
-      cudaGraphExec_t exec, exec_alone;
-      capture64(step, &graph, &exec);
-      capture64(alone, &graph_alone, &exec_alone);
-      const float g_all = time_calls([&](int) { check(cudaGraphLaunch(exec, stream), "graph"); }, 10, stream);
-      const float g_other = time_calls([&](int) { check(cudaGraphLaunch(exec_alone, stream), "graph"); }, 10, stream);
-      graph_us = (g_all - g_other) / 64;
-      cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
-      cudaGraphExecDestroy(exec_alone), cudaGraphDestroy(graph_alone);
+      graph_us = time_in_graph(step, alone, stream);
       cudaFree(x2);
     }
     std::printf("%6d %6d %6d %8s %10.2f %8.3f %10.2f %10.2f\n", c.m, c.k, c.n,
@@ -333,8 +342,24 @@ int main(int argc, char **argv) {
         char name[32];
         std::snprintf(name, sizeof name, "%d,%d,%d", config.cw, config.kw, config.s);
         if (do_check) check_case(c, b, config, name, stream);
-        const float t = time_calls([&](int i) { check(call(c, b, i % copies, config, false, stream)); },
-                                   reps / 2, stream);
+        float t;
+        if (sweep_graph) {
+          void *x2;
+          check(cudaMalloc(&x2, size_t(c.m) * c.k * 2), "cudaMalloc x2");
+          const int64_t yc = int64_t(c.m) * c.n, xc = int64_t(c.m) * c.k;
+          auto alone = [&](int) {
+            next_input<<<32, 256, 0, stream>>>(static_cast<uint16_t *>(b.C), static_cast<uint16_t *>(x2), yc, xc);
+          };
+          auto step = [&](int i) {
+            check(call(c, b, i % copies, config, false, stream, x2));
+            alone(i);
+          };
+          t = time_in_graph(step, alone, stream);
+          cudaFree(x2);
+        } else {
+          t = time_calls([&](int i) { check(call(c, b, i % copies, config, false, stream)); }, reps / 2,
+                         stream);
+        }
         rows.push_back({t, name});
       }
       std::sort(rows.begin(), rows.end());
