@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The decode kernel on a GPU machine, in one call: build decode_bench and the
 # package, check the kernel, time it against the Marlin kernel (independent
-# calls, dependent chains, CUDA graphs), sweep its configurations, run the GPU
+# calls, dependent chains, CUDA graphs), time a Llama-3-8B block's projections
+# with and without the elementwise kernels between them (block_bench), sweep
+# its configurations, run the GPU
 # tests, time the prefill kernel against cuBLAS and the Marlin kernel, time a
 # Llama-3-8B decode step through JAX, and run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time tests prefill step sanitize zp
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stages=${*:-build check time sweep step tests sanitize}
+stages=${*:-build check time block sweep step tests sanitize}
 has() { [[ " $stages " == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 BIN=/tmp/decode_bench
@@ -36,8 +38,10 @@ if has build; then
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi benchmarks/prefill_bench.cu ffi/prefill_sm90.cu \
     -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
   nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
+  nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
   wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
   nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
+  nvcc -arch=sm_90 $(ls /tmp/db/*.o | grep -v bench.o) /tmp/block_bench.o -o /tmp/block_bench || exit 1
   wait
   grep -E "registers|spill" "$OUT/ptxas.txt" | sort | uniq -c
   # (wait -n above may already have reaped pip: its log and the import tell.)
@@ -76,6 +80,11 @@ if has time; then
   paste <(grep -E "^ +[0-9]" "$OUT/time-decode.log") <(grep -E "^ +[0-9]" "$OUT/time-marlin.log" | awk '{print $5, $7, $8}') > "$OUT/time.txt"
   echo "   m      k      n   config   us  TB/s  chain  graph | marlin: us chain graph"
   cat "$OUT/time.txt"
+fi
+
+if has block; then
+  step "block: an 8B block's projections with and without the elementwise kernels between them"
+  /tmp/block_bench 1 4 8 16 32 64 | tee "$OUT/block.txt"
 fi
 
 if has sweep; then
