@@ -1,8 +1,7 @@
 // XLA FFI handler for jax_marlin_matmul on CUDA: read the buffers, re-check
 // them, launch the kernels on XLA's stream. Two stages: at instantiation a
-// call site gets its ZeroedCounters, which each execution hands to the
-// launcher; a kernel that needs counters takes them from there instead of
-// the workspace result, which would need zeroing.
+// call site gets its ZeroedCounters, which each execution then passes to the
+// launcher as its counters instead of zeroing the workspace result.
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -35,16 +34,18 @@ ffi::Error MatmulCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::AnyBuffe
       return ffi::Error::Internal(std::string("jax_marlin: cudaMemsetAsync failed: ") +
                                   cudaGetErrorString(error));
   }
-  // The launcher takes the call site's own zeroed counters if its kernel
-  // needs counters and they can be had (they always can, short of device
-  // memory), else the workspace result, which it zeroes.
+  // The call site's own zeroed counters if they can be had (they always can,
+  // short of device memory), else the workspace result, zeroed by the
+  // launcher.
+  int *counters = nullptr;
+  zeroed->get(workspace->element_count(), &counters);
   std::string why = marlin::matmul(
       x.untyped_data(), qweight.untyped_data(), scales.untyped_data(),
       dims->has_zeros ? zeros.untyped_data() : nullptr,
       dims->has_perm ? perm.typed_data() : nullptr,
       dims->has_bias ? bias.untyped_data() : nullptr, y->untyped_data(), dims->m, dims->n,
-      dims->k, group_size, dims->bf16, workspace->typed_data(), reduce_scratch->typed_data(),
-      stream, /*workspace_zeroed=*/false, zeroed);
+      dims->k, group_size, dims->bf16, counters ? counters : workspace->typed_data(),
+      reduce_scratch->typed_data(), stream, counters != nullptr);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
 }
@@ -57,8 +58,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate, jax_marlin::Instan
 
 // The handler only enqueues kernel launches (and, should its counters be
 // missing, a memset) on the given stream; the one allocation, its call
-// site's counters at the first execution that needs them, stays outside
-// any capture, so XLA may capture the handler into a CUDA graph.
+// site's counters at the first execution, stays outside any capture, so XLA
+// may capture the handler into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMarlinMatmulCuda, jax_marlin::MatmulCuda,
     jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()

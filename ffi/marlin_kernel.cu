@@ -158,7 +158,7 @@ std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_b
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
                    const int *perm, const void *bias, void *C, int64_t m, int64_t n, int64_t k,
                    int64_t group_size, bool bf16, int *workspace, float *reduce_scratch,
-                   cudaStream_t stream, bool workspace_zeroed, CounterSource *counter_source) {
+                   cudaStream_t stream, bool workspace_zeroed) {
   if (std::string why = check_problem(m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
   if (m == 0) return {};
@@ -179,13 +179,6 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   if (info.major == 9 && m <= kDecodeMaxM && policy.decode)
     decode = policy.forced.valid() ? policy.forced
                                    : choose_decode_config(m, n, k, group_size, info.sms);
-  // Every kernel but the decode kernel may use counters. Asked for before
-  // anything is enqueued, since a first request allocates.
-  if (!decode.valid() && !workspace_zeroed && counter_source)
-    if (int *counters = counter_source->zeroed_counters(workspace_size(m, n))) {
-      workspace = counters;
-      workspace_zeroed = true;
-    }
   // Act-order: x in the weight's row order, gathered by the decode kernel
   // as it loads x, or otherwise written by a pass into the scratch, past
   // the partial sums (the next kernel starts during it: PDL).

@@ -21,25 +21,11 @@
 
 namespace marlin {
 
-// Zeroed counters handed out on demand: the launcher asks only when the
-// kernel it picks uses counters (the decode kernel uses none), so a caller
-// that allocates them on first request allocates nothing for calls that
-// only ever decode.
-class CounterSource {
- public:
-  virtual ~CounterSource() = default;
-  // At least `count` int32 counters, zero now, used only by this caller's
-  // calls in stream order (every kernel leaves them zero again); or null,
-  // and the launcher zeroes the workspace instead.
-  virtual int *zeroed_counters(int64_t count) = 0;
-};
-
 // Launches the GEMM on `stream`. `workspace` holds workspace_size(m, n) int32s
 // of counters, which must be zero when a kernel starts; every kernel leaves
 // them zero. With `workspace_zeroed` the caller vouches that they are (a
-// buffer zeroed once and used only by calls in stream order); otherwise the
-// counters come from `counter_source` if it gives them, else the launcher
-// zeroes the workspace on the stream first, a second launch where a split
+// buffer zeroed once and used only by calls in stream order), otherwise the
+// launcher zeroes them on the stream first, a second launch where a split
 // needs them. `reduce_scratch` holds
 // reduce_scratch_size(m, n, k, perm != null) floats (no initial value needed):
 // thread blocks that share an output tile sum their partial results there in
@@ -50,6 +36,6 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
                    const int *perm, const void *bias, void *C,
                    int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                    int *workspace, float *reduce_scratch, cudaStream_t stream,
-                   bool workspace_zeroed = false, CounterSource *counter_source = nullptr);
+                   bool workspace_zeroed = false);
 
 }  // namespace marlin

@@ -24,13 +24,12 @@
 #include <mutex>
 #include <string>
 
-#include "marlin_kernel.h"
 #include "marlin_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_marlin {
 
-class ZeroedCounters : public marlin::CounterSource {
+class ZeroedCounters {
  public:
   // XLA FFI's id of this state type, assigned when the type is registered
   // (jax_marlin/_ffi.py, before the handler).
@@ -47,16 +46,6 @@ class ZeroedCounters : public marlin::CounterSource {
   // zeroing are not part of the graph). Sets *counters to null and returns
   // why if they cannot be had; the caller then zeroes a buffer of its own.
   std::string get(int64_t count, int **counters);
-
-  // The launcher's request, made only for calls whose kernel uses counters:
-  // a call site that only runs the decode kernel allocates nothing. The
-  // reason for a failure is dropped on purpose: the launcher then zeroes the
-  // call's workspace result, which is correct, one launch slower.
-  int *zeroed_counters(int64_t count) override {
-    int *counters = nullptr;
-    get(count, &counters);
-    return counters;
-  }
 
  private:
   std::mutex mutex_;
