@@ -570,7 +570,10 @@ namespace {
 // the Llama-3 8B output head (4096 x 128256) from
 // benchmarks/results/h200-2026-12-04-head-sweep.txt. An empty entry: the
 // Marlin kernel was faster there (at m = 16 on the 70B layers and
-// 14336 x 4096).
+// 14336 x 4096). Those sweeps timed independent calls; 4096 x 6144 at m <= 2
+// takes 2,4,4 instead of their 4,1,16, which is 5-7% faster alone but 8%
+// slower in a CUDA graph of dependent calls, as a decode step runs it
+// (benchmarks/results/h200-2026-12-05-fixed-cost.txt, sections C and G).
 struct MeasuredLayer {
   int k, n;
   DecodeConfig by_m[4];  // m <= 2, 4, 8, 16
@@ -580,7 +583,7 @@ constexpr MeasuredLayer kMeasured[] = {
     {8192, 8192, {{1, 8, 2}, {1, 8, 2}, {1, 8, 2}, {}}},
     {8192, 57344, {{8, 1, 2}, {8, 1, 2}, {8, 1, 2}, {}}},
     {28672, 8192, {{4, 2, 7}, {4, 2, 7}, {4, 2, 7}, {}}},
-    {4096, 6144, {{4, 1, 16}, {2, 4, 4}, {2, 4, 4}, {4, 2, 4}}},
+    {4096, 6144, {{2, 4, 4}, {2, 4, 4}, {2, 4, 4}, {4, 2, 4}}},
     {4096, 4096, {{1, 8, 2}, {1, 8, 2}, {1, 8, 2}, {1, 8, 2}}},
     {4096, 28672, {{4, 1, 4}, {8, 1, 4}, {4, 2, 2}, {8, 1, 2}}},
     {14336, 4096, {{2, 4, 7}, {2, 4, 7}, {2, 4, 7}, {}}},
