@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace bench {
@@ -14,6 +15,14 @@ namespace bench {
 inline void check(cudaError_t error, const char *what) {
   if (error != cudaSuccess) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
+    std::exit(1);
+  }
+}
+
+// The launchers' way to fail: an empty string, or why.
+inline void check(const std::string &why) {
+  if (!why.empty()) {
+    std::fprintf(stderr, "%s\n", why.c_str());
     std::exit(1);
   }
 }

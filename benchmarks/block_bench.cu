@@ -44,13 +44,6 @@ using bench::check;
 
 constexpr int kHidden = 4096, kQkv = 6144, kFfn = 14336, kCopies = 4, kBlocks = 32;
 
-void check(const std::string &why) {
-  if (!why.empty()) {
-    std::fprintf(stderr, "%s\n", why.c_str());
-    std::exit(1);
-  }
-}
-
 // x = x + y; xn = x / rms(x), one thread block per row (XLA's reduction
 // fusion of the residual add and RMSNorm).
 __global__ void add_rms_norm(half *x, const half *y, half *xn, int k) {

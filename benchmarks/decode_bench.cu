@@ -56,13 +56,6 @@ bool g_memset_counters = false;
 int g_group = 128;
 int g_failures = 0;
 
-void check(const std::string &why) {
-  if (!why.empty()) {
-    std::fprintf(stderr, "%s\n", why.c_str());
-    std::exit(1);
-  }
-}
-
 // The next call's input from this call's output: the dependency of a decode
 // step (the values stay in [-1, 1]).
 __global__ void next_input(const uint16_t *y, uint16_t *x, int64_t y_count, int64_t x_count) {

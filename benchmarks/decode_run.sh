@@ -3,9 +3,9 @@
 # package, check the kernel, time it against the Marlin kernel (independent
 # calls, dependent chains, CUDA graphs), time a Llama-3-8B block's projections
 # with and without the elementwise kernels between them (block_bench), sweep
-# its configurations, run the GPU
-# tests, time the prefill kernel against cuBLAS and the Marlin kernel, time a
-# Llama-3-8B decode step through JAX, and run compute-sanitizer.
+# its configurations, run the GPU tests, time the prefill kernel against
+# cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
+# run compute-sanitizer.
 #
 #   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp
 #
