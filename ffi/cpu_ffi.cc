@@ -4,9 +4,13 @@
 // the Marlin layout, (q - zero point) times the group's scale, into an fp32
 // panel and multiplied in fp32; the per-column scale and the bias are applied
 // in fp32 and the result is rounded to the output dtype (float16 or bfloat16)
-// once. Slices are spread over threads; every output element is computed by
-// one thread in a fixed order, so results are deterministic. The workspace and
-// reduce_scratch results exist for the CUDA kernel and are left untouched here.
+// once. The fusions of marlin::Fusion run as the contract states them
+// (ffi_common.h): the RMSNorm or SwiGLU prologue on the widened x, rounded to
+// the dtype, before the act-order permutation; the residual added to the
+// rounded y, rounded again. Slices are spread over threads; every output
+// element (and every row's sum of squares) is computed by one thread in a
+// fixed order, so results are deterministic. The workspace and reduce_scratch
+// results exist for the CUDA kernel and are left untouched here.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -71,13 +75,46 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t(bits >> 16);
 }
 
-// x, scales and bias (all of the call's one dtype) widened to fp32.
+// x, scales, bias, residual and norm_weight (all of the call's one dtype)
+// widened to fp32.
 void widen(const void *src, bool bf16, int64_t count, float *dst) {
   const uint16_t *h = static_cast<const uint16_t *>(src);
   if (bf16)
     for (int64_t i = 0; i < count; ++i) dst[i] = bf16_to_float(h[i]);
   else
     for (int64_t i = 0; i < count; ++i) dst[i] = half_to_float(h[i]);
+}
+
+// v rounded to the call's dtype (as the GPU stores it) and widened back.
+inline uint16_t narrow(float v, bool bf16) { return bf16 ? float_to_bf16(v) : float_to_half(v); }
+inline float round_to_dtype(float v, bool bf16) {
+  return bf16 ? bf16_to_float(float_to_bf16(v)) : half_to_float(float_to_half(v));
+}
+
+// The prologue's x' [m, k], in x's own column order and rounded to the dtype,
+// so that it is the x' the GPU multiplies: RMSNorm x' = dtype(x r w) with
+// r = 1 / sqrt(sum_j x_j^2 / norm_size + eps) per row (padded columns of x
+// are zero and add nothing to the sum), or SwiGLU x' = dtype(silu(gate) up)
+// from x's rows [gate | up] of 2 k. The factors are multiplied in the GPU
+// passes' order ((x r) w, then g / (1 + exp(-g)) up).
+std::vector<float> prologue(const std::vector<float> &xf, const float *norm_weight, bool swiglu,
+                            float norm_eps, int64_t norm_size, int64_t m, int64_t k, bool bf16) {
+  std::vector<float> out(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m; ++i) {
+    float *o = out.data() + i * k;
+    if (swiglu) {
+      const float *gate = xf.data() + i * 2 * k, *up = gate + k;
+      for (int64_t j = 0; j < k; ++j)
+        o[j] = round_to_dtype(gate[j] / (1.f + std::exp(-gate[j])) * up[j], bf16);
+    } else {
+      const float *xi = xf.data() + i * k;
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum = std::fma(xi[j], xi[j], sum);
+      const float r = 1.f / std::sqrt(sum / float(norm_size) + norm_eps);
+      for (int64_t j = 0; j < k; ++j) o[j] = round_to_dtype(xi[j] * r * norm_weight[j], bf16);
+    }
+  }
+  return out;
 }
 
 // Marlin's scale permutations (jax_marlin/packing.py): the stored scale at
@@ -122,6 +159,7 @@ struct Problem {
   const float *scales;     // [groups, n], logical (unpermuted) order
   const int8_t *zeros;     // [groups, n] zero points, logical order
   const float *bias;       // [n], or null for no bias
+  const float *residual;   // [m, n], or null for none
   uint16_t *y;             // [m, n], float16 or bfloat16 bits
   int64_t m, n, k, group_size;
   bool bf16;
@@ -189,7 +227,9 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
           float v = block[r][j];
           if (!grouped) v *= p.scales[col];
           if (p.bias) v += p.bias[col];
-          out[j] = p.bf16 ? float_to_bf16(v) : float_to_half(v);
+          // The residual meets the rounded product: jm.matmul(...) + residual.
+          if (p.residual) v = round_to_dtype(v, p.bf16) + p.residual[(i + r) * n + col];
+          out[j] = narrow(v, p.bf16);
         }
       }
     }
@@ -198,12 +238,12 @@ JAX_MARLIN_CPU_CLONES void compute_slice(const Problem &p, int64_t c, std::vecto
 
 ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::AnyBuffer scales,
                      ffi::Buffer<ffi::S32, 2> zeros, ffi::Buffer<ffi::S32, 1> perm,
-                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::ResultBuffer<ffi::S32, 1> workspace,
+                     ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer norm_weight,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32, 1> workspace,
                      ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
-                     bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, *y, *workspace,
-                           *reduce_scratch, group_size);
+                     bool poison_output, float norm_eps, int64_t norm_size, bool swiglu) {
+  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, residual, norm_weight, *y,
+                           *workspace, *reduce_scratch, group_size, norm_eps, norm_size, swiglu);
   if (dims.has_error()) return dims.error();
   const int64_t m = dims->m, n = dims->n, k = dims->k;
   const bool bf16 = dims->bf16;
@@ -212,8 +252,18 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
   if (poison_output) std::fill(out, out + m * n, uint16_t(bf16 ? 0x7fc0u : 0x7e00u));
   if (m == 0) return ffi::Error::Success();
 
-  std::vector<float> xf(static_cast<size_t>(m * k));
-  widen(x.untyped_data(), bf16, m * k, xf.data());
+  // x widened ([m, 2 k] with swiglu), then the prologue's x' in its place.
+  const int64_t x_cols = dims->swiglu ? 2 * k : k;
+  std::vector<float> xf(static_cast<size_t>(m * x_cols));
+  widen(x.untyped_data(), bf16, m * x_cols, xf.data());
+  if (dims->has_norm || dims->swiglu) {
+    std::vector<float> wf;
+    if (dims->has_norm) {
+      wf.resize(static_cast<size_t>(k));
+      widen(norm_weight.untyped_data(), bf16, k, wf.data());
+    }
+    xf = prologue(xf, wf.data(), dims->swiglu, norm_eps, norm_size, m, k, bf16);
+  }
   if (dims->has_perm) {
     // Act-order: x's columns in the weight's stored row order. An index out
     // of range is clamped, as the CUDA kernels do (jm.pack never writes one).
@@ -229,6 +279,12 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
   if (dims->has_bias) {
     bf.resize(static_cast<size_t>(n));
     widen(bias.untyped_data(), bf16, n, bf.data());
+  }
+
+  std::vector<float> rf;
+  if (dims->has_residual) {
+    rf.resize(static_cast<size_t>(m * n));
+    widen(residual.untyped_data(), bf16, m * n, rf.data());
   }
 
   static const ScalePerms perms;
@@ -248,7 +304,8 @@ ffi::Error MatmulCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> qweight, ffi::An
         zf[g * n + col] = int8_t(zero_point(zeros.typed_data() + g * (n / 8), col));
 
   const Problem p{xf.data(), qweight.typed_data(), sf.data(), zf.data(),
-                  bf.empty() ? nullptr : bf.data(), out, m, n, k, group_size, bf16};
+                  bf.empty() ? nullptr : bf.data(), rf.empty() ? nullptr : rf.data(),
+                  out, m, n, k, group_size, bf16};
   const int64_t slices = n / kSlice;
   // Threads only when there is work for them: about 2^22 multiply-adds each.
   const int64_t useful = std::max<int64_t>(1, m * n * k >> 22);

@@ -21,12 +21,13 @@ ffi::Error MatmulCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::AnyBuffe
                       ffi::Buffer<ffi::S32, 2> qweight,
                       ffi::AnyBuffer scales, ffi::Buffer<ffi::S32, 2> zeros,
                       ffi::Buffer<ffi::S32, 1> perm, ffi::AnyBuffer bias,
+                      ffi::AnyBuffer residual, ffi::AnyBuffer norm_weight,
                       ffi::Result<ffi::AnyBuffer> y,
                       ffi::ResultBuffer<ffi::S32, 1> workspace,
                       ffi::ResultBuffer<ffi::F32, 1> reduce_scratch, int64_t group_size,
-                      bool poison_output) {
-  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, *y, *workspace,
-                           *reduce_scratch, group_size);
+                      bool poison_output, float norm_eps, int64_t norm_size, bool swiglu) {
+  auto dims = check_matmul(x, qweight, scales, zeros, perm, bias, residual, norm_weight, *y,
+                           *workspace, *reduce_scratch, group_size, norm_eps, norm_size, swiglu);
   if (dims.has_error()) return dims.error();
   if (poison_output) {
     // 0xFFFF is a NaN in fp16 and in bf16.
@@ -39,13 +40,19 @@ ffi::Error MatmulCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::AnyBuffe
   // launcher.
   int *counters = nullptr;
   zeroed->get(workspace->element_count(), &counters);
+  marlin::Fusion fusion;
+  if (dims->has_residual) fusion.residual = residual.untyped_data();
+  if (dims->has_norm) fusion.norm_weight = norm_weight.untyped_data();
+  fusion.swiglu = dims->swiglu;
+  fusion.norm_eps = norm_eps;
+  fusion.norm_size = norm_size;
   std::string why = marlin::matmul(
       x.untyped_data(), qweight.untyped_data(), scales.untyped_data(),
       dims->has_zeros ? zeros.untyped_data() : nullptr,
       dims->has_perm ? perm.typed_data() : nullptr,
       dims->has_bias ? bias.untyped_data() : nullptr, y->untyped_data(), dims->m, dims->n,
       dims->k, group_size, dims->bf16, counters ? counters : workspace->typed_data(),
-      reduce_scratch->typed_data(), stream, counters != nullptr);
+      reduce_scratch->typed_data(), stream, counters != nullptr, fusion);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
 }

@@ -46,7 +46,7 @@ constexpr int kMaxShared = 100 * 1024;      // shared memory per block we allow,
 constexpr int kChunk = 64;                  // columns per warp
 
 struct DecodeParams {
-  const int4 *A;     // [m, k]
+  const int4 *A;     // [m, k], or [m, 2 k] = gate | up with swiglu
   const int4 *B;     // [k / 16, 2 n]
   const int4 *s;     // [k / g, n] or [1, n], permuted
   const void *bias;  // [n] or null
@@ -56,6 +56,13 @@ struct DecodeParams {
   int k_warp;        // k rows per warp
   const int *zeros;  // [k / g, n / 8] or [1, n / 8] packed zero points, or null (zero point 8)
   const int *perm;   // [k] act-order: row j of B is x's column perm[j]; or null
+  // The fusions (marlin::Fusion; only without perm): an RMSNorm or SwiGLU
+  // prologue applied to x in shared memory, and a residual added to C.
+  const void *residual;     // [m, n] or null
+  const void *norm_weight;  // [k] or null
+  bool swiglu;              // A holds gate | up; x' = silu(gate) up
+  float norm_eps;
+  float norm_size;          // the logical k the mean of squares divides by
 };
 
 // Rows of k that each warp's range must be a multiple of: whole groups (the
@@ -131,10 +138,115 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
                "r"(valid ? 16 : 0));
 }
 
+// The prologue of a fused call, on x rows 0..m-1 of the block's k range as
+// staged in shared memory (int4 rows of xs_stride), in place:
+//   RMSNorm: x' = dtype(x r w), r = 1 / sqrt(sum over all of k of x^2 /
+//            norm_size + eps) per row. The block's sums of squares meet the
+//            cluster's other blocks' (which hold the rest of k) through
+//            distributed shared memory, added in rank order, so every block
+//            gets the same r (deterministic);
+//   SwiGLU:  x' = dtype(silu(gate) up), up staged as x, gate read from
+//            global memory (L2: the previous kernel has just written it).
+// The weights already in flight keep streaming meanwhile.
+template <typename scalar_t>
+__device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int kb0, int k_block,
+                         cooperative_groups::cluster_group &cluster) {
+  using Scalar = ScalarType<scalar_t>;
+  __shared__ float ss_part[kDecodeMaxM], r_row[kDecodeMaxM];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int row_int4 = k_block / 8;
+  auto widen = [](const int4 &v, float (&f)[8]) {
+    const scalar_t *e = reinterpret_cast<const scalar_t *>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = Scalar::to_float(e[i]);
+  };
+  auto narrow = [](const float (&f)[8]) {
+    int4 v;
+    auto *t = reinterpret_cast<typename Scalar::T2 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) t[i] = Scalar::from_floats(f[2 * i], f[2 * i + 1]);
+    return v;
+  };
+  if (p.norm_weight) {
+    for (int r = warp; r < p.m; r += warps) {
+      float sum = 0.f;
+      for (int c = lane; c < row_int4; c += 32) {
+        float f[8];
+        widen(smem[r * xs_stride + c], f);
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum = fmaf(f[i], f[i], sum);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0) ss_part[r] = sum;
+    }
+    cluster.sync();
+    if (int(threadIdx.x) < p.m) {
+      float sum = 0.f;
+      for (int q = 0; q < int(cluster.num_blocks()); q++)
+        sum += cluster.map_shared_rank(ss_part, q)[threadIdx.x];
+      r_row[threadIdx.x] = 1.f / sqrtf(sum / p.norm_size + p.norm_eps);
+    }
+    // ss_part stays untouched until the kernel's last cluster barrier, so
+    // the other blocks may read it until then.
+    __syncthreads();
+  }
+  // Each thread owns one column c of 8 elements (or a few, for long ranges)
+  // and every `lanes`-th row of it: the norm weight of c is loaded once, and
+  // the gates of a thread's rows are prefetched together, so that a thread
+  // waits for global memory (L2) about once, not once per row (the first
+  // form walked the rows one element at a time, a load and its wait each:
+  // at m = 16 it made the fused calls slower than the separate kernels).
+  const int lanes = max(1, int(blockDim.x) / row_int4);
+  const int4 *w4 = reinterpret_cast<const int4 *>(p.norm_weight) + kb0 / 8;
+  const int4 *g4 = p.A + kb0 / 8;
+  for (int c = threadIdx.x / lanes; c < row_int4; c += int(blockDim.x) / lanes) {
+    if (p.norm_weight) {
+      float w[8];
+      widen(w4[c], w);
+      for (int r = threadIdx.x % lanes; r < p.m; r += lanes) {
+        float x[8];
+        widen(smem[r * xs_stride + c], x);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = x[e] * r_row[r] * w[e];
+        smem[r * xs_stride + c] = narrow(x);
+      }
+    } else {
+      // All of the thread's gates are requested into L1 first (a prefetch
+      // holds no register: a batch of loads spilled at 128 registers).
+      for (int r = threadIdx.x % lanes; r < p.m; r += lanes)
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(g4 + int64_t(r) * (p.k / 4) + c));
+      for (int r = threadIdx.x % lanes; r < p.m; r += lanes) {
+        float x[8], g[8];
+        widen(smem[r * xs_stride + c], x);
+        widen(g4[int64_t(r) * (p.k / 4) + c], g);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = g[e] / (1.f + expf(-g[e])) * x[e];
+        smem[r * xs_stride + c] = narrow(x);
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // kStream: the schedule for long streams (decode_stream above), else the one
-// for short ones.
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
-__global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodeParams p) {
+// for short ones. kFused: the instance that runs the fusions (p.residual,
+// p.norm_weight, p.swiglu); the plain instances are compiled without them.
+// The prologue runs with both windows' weights in flight, which raised the
+// long-stream schedule's registers from 128 to 147 a thread (3 blocks of 4
+// warps per SM instead of 4): the fused instances at m <= 8 are held to 128
+// where the plain ones fit in it (g128, g-1, g64 without zero points; the
+// g64 ones spill 4 bytes there).
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
+constexpr bool fits_128() {
+  return m_halves == 1 &&
+         (group_blocks == 8 || group_blocks == -1 || (group_blocks == 4 && !has_zeros));
+}
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
+          bool kFused>
+__global__ void __launch_bounds__(
+    32 * kMaxWarps, (kFused && fits_128<scalar_t, group_blocks, m_halves, has_zeros>()) ? 2 : 1)
+    decode_kernel(const DecodeParams p) {
   namespace cg = cooperative_groups;
   using Scalar = ScalarType<scalar_t>;
   using T2 = typename Scalar::T2;
@@ -225,10 +337,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
   const int x_rows = kStream ? p.m : m_pad;
   if (p.perm == nullptr) {
     const int row_int4 = k_block / 8;
+    // With swiglu a row of A is gate | up, and x is up.
+    const bool swiglu = kFused && p.swiglu;
+    const int a_row_int4 = (swiglu ? 2 : 1) * p.k / 8;
+    const int4 *a = p.A + (swiglu ? p.k / 8 : 0);
     for (int i = threadIdx.x; i < x_rows * row_int4; i += blockDim.x) {
       const int r = i / row_int4, c = i % row_int4;
       const bool valid = r < p.m;
-      const int4 *src = p.A + (valid ? int64_t(r) * (p.k / 8) + kb0 / 8 + c : 0);
+      const int4 *src = a + (valid ? int64_t(r) * a_row_int4 + kb0 / 8 + c : 0);
       cp_async_zfill(&smem[r * xs_stride + c], src, valid);
     }
     cp_async_fence();
@@ -287,6 +403,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kFused)
+    if (p.norm_weight || p.swiglu) prologue<scalar_t>(p, smem, xs_stride, kb0, k_block, cluster);
 
   const scalar_t *xs = reinterpret_cast<const scalar_t *>(smem);
   // ldmatrix row address of this lane: matrix lane / 8 (k offset 8 (lane / 8)
@@ -463,7 +581,18 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
       v[0] += b0.x, v[1] += b0.y, v[2] += b1.x, v[3] += b1.y;
     }
     T2 out[2] = {Scalar::from_floats(v[0], v[1]), Scalar::from_floats(v[2], v[3])};
-    *reinterpret_cast<uint2 *>(&C[(int64_t(row) * p.n + col) / 2]) = *reinterpret_cast<uint2 *>(out);
+    const int64_t at = (int64_t(row) * p.n + col) / 2;
+    if (kFused && p.residual) {
+      // Added to the rounded product, as XLA's add after the matmul would.
+      const uint2 r = *reinterpret_cast<const uint2 *>(reinterpret_cast<const T2 *>(p.residual) + at);
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const float2 a = Scalar::to_floats(out[h]);
+        const float2 b = Scalar::to_floats(reinterpret_cast<const T2 *>(&r)[h]);
+        out[h] = Scalar::from_floats(a.x + b.x, a.y + b.y);
+      }
+    }
+    *reinterpret_cast<uint2 *>(&C[at]) = *reinterpret_cast<uint2 *>(out);
   }
   // No block may leave while another still reads its partial sums.
   cluster.sync();
@@ -472,15 +601,17 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_kernel(const DecodePara
 #else
 
 // Host pass and devices before sm_90: the launcher never launches it there.
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
+          bool kFused>
 __global__ void decode_kernel(const DecodeParams) {}
 
 #endif
 
-template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream>
+template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
+          bool kFused>
 std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                    cudaStream_t stream) {
-  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream>;
+  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream, kFused>;
   static std::once_flag once[kMaxDevices];
   static cudaError_t attr_error[kMaxDevices];
   int device;
@@ -514,23 +645,32 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
   return {};
 }
 
-template <typename scalar_t, int group_blocks, bool has_zeros>
+template <typename scalar_t, int group_blocks, bool has_zeros, bool kFused>
 std::string launch_m(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                      cudaStream_t stream) {
-  if (p.m > 8) return launch<scalar_t, group_blocks, 2, has_zeros, false>(p, c, shared, pdl, stream);
+  if (p.m > 8)
+    return launch<scalar_t, group_blocks, 2, has_zeros, false, kFused>(p, c, shared, pdl, stream);
   if (decode_stream(p.m, p.k_warp))
-    return launch<scalar_t, group_blocks, 1, has_zeros, true>(p, c, shared, pdl, stream);
-  return launch<scalar_t, group_blocks, 1, has_zeros, false>(p, c, shared, pdl, stream);
+    return launch<scalar_t, group_blocks, 1, has_zeros, true, kFused>(p, c, shared, pdl, stream);
+  return launch<scalar_t, group_blocks, 1, has_zeros, false, kFused>(p, c, shared, pdl, stream);
+}
+
+template <typename scalar_t, int group_blocks, bool has_zeros>
+std::string launch_fused(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
+                         cudaStream_t stream) {
+  if (p.residual || p.norm_weight || p.swiglu)
+    return launch_m<scalar_t, group_blocks, has_zeros, true>(p, c, shared, pdl, stream);
+  return launch_m<scalar_t, group_blocks, has_zeros, false>(p, c, shared, pdl, stream);
 }
 
 template <typename scalar_t, bool has_zeros>
 std::string launch_group(int64_t group_size, const DecodeParams &p, const DecodeConfig &c,
                          int64_t shared, bool pdl, cudaStream_t stream) {
   switch (group_size) {
-    case -1: return launch_m<scalar_t, -1, has_zeros>(p, c, shared, pdl, stream);
-    case 32: return launch_m<scalar_t, 2, has_zeros>(p, c, shared, pdl, stream);
-    case 64: return launch_m<scalar_t, 4, has_zeros>(p, c, shared, pdl, stream);
-    case 128: return launch_m<scalar_t, 8, has_zeros>(p, c, shared, pdl, stream);
+    case -1: return launch_fused<scalar_t, -1, has_zeros>(p, c, shared, pdl, stream);
+    case 32: return launch_fused<scalar_t, 2, has_zeros>(p, c, shared, pdl, stream);
+    case 64: return launch_fused<scalar_t, 4, has_zeros>(p, c, shared, pdl, stream);
+    case 128: return launch_fused<scalar_t, 8, has_zeros>(p, c, shared, pdl, stream);
   }
   return "jax_marlin: the decode kernel has no instance for group_size " +
          std::to_string(group_size);
@@ -632,13 +772,16 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
                           int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config,
-                          bool pdl, cudaStream_t stream) {
+                          bool pdl, cudaStream_t stream, const Fusion &fusion) {
   if (std::string why = check_decode_config(config, m, n, k, group_size); !why.empty())
     return "jax_marlin: " + why;
+  if (perm && fusion.prologue())
+    return "jax_marlin: the decode kernel runs a prologue only on x in its own order (no perm)";
   DecodeParams p{static_cast<const int4 *>(A), static_cast<const int4 *>(B),
                  static_cast<const int4 *>(s), bias, C, int(m), int(n), int(k),
                  config.cw, config.kw, int(k / (config.s * config.kw)),
-                 static_cast<const int *>(zeros), perm};
+                 static_cast<const int *>(zeros), perm, fusion.residual,
+                 fusion.norm_weight, fusion.swiglu, fusion.norm_eps, float(fusion.norm_size)};
   const int64_t shared = shared_bytes(config, m, k);
   if (zeros)
     return bf16 ? launch_group<nv_bfloat16, true>(group_size, p, config, shared, pdl, stream)

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <string>
 
+#include "marlin_problem.h"
+
 namespace marlin {
 
 // How one decode launch splits the work: `cw` 64-column chunks per block (one
@@ -27,9 +29,6 @@ struct DecodeConfig {
   int cw = 0, kw = 0, s = 0;
   bool valid() const { return cw > 0; }
 };
-
-// Largest m the decode kernel takes.
-constexpr int kDecodeMaxM = 16;
 
 // Empty if `config` can run [m, k] x [k, n] with this group size (the shape
 // rules of check_problem hold already), otherwise why not.
@@ -47,10 +46,12 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
 // that kernel before it reads anything else. `zeros` are the packed zero
 // points (marlin_kernel.h), or null for zero point 8; `perm` the act-order
 // permutation of A's columns (int32 [k]), gathered as A is loaded, or null.
+// `fusion` (marlin_problem.h): the RMSNorm or SwiGLU prologue, applied to A
+// in shared memory (not with a perm), and the residual added to C.
 // Returns an empty string on success, otherwise a description of the failure.
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
                           int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config,
-                          bool pdl, cudaStream_t stream);
+                          bool pdl, cudaStream_t stream, const Fusion &fusion = {});
 
 }  // namespace marlin

@@ -123,6 +123,111 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
   return {};
 }
 
+// The fusions (marlin::Fusion) around the kernels that do not run them
+// themselves: the prologue as a pass that writes x' (permuted, with a perm)
+// into the scratch, the residual as a pass over C after the kernel.
+//
+// Prologue: out[r, j] = x'[r, perm[j]] (or x'[r, j]), x' = dtype(x r w) with
+// r = 1 / sqrt(sum_j x[r, j]^2 / norm_size + eps) (RMSNorm), or with swiglu,
+// A's row being gate | up, dtype(silu(gate) up) (SwiGLU); A [m, k] ([m, 2 k]
+// with swiglu), out [m, k], w [k]. Block (r, s) writes split s of row r; with
+// RMSNorm every split first sums the whole row's squares (from L2 after the
+// first), in a fixed order.
+__device__ inline float to_float(half v) { return __half2float(v); }
+__device__ inline float to_float(nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename scalar_t> __device__ scalar_t from_float(float v);
+template <> __device__ half from_float<half>(float v) { return __float2half_rn(v); }
+template <> __device__ nv_bfloat16 from_float<nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kPermuteThreads)
+    prologue_rows(const scalar_t *A, const scalar_t *norm_weight, bool swiglu, const int *perm,
+                  scalar_t *out, int k, float norm_size, float eps, int split_cols) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
+  __shared__ float warp_sums[kPermuteThreads / 32];
+  __shared__ float r_row;
+  const int64_t row = blockIdx.x;
+  const scalar_t *x = A + row * (swiglu ? 2 * k : k) + (swiglu ? k : 0);  // up with swiglu
+  const scalar_t *gate = x - k;
+  float r = 1.f;
+  if (norm_weight) {
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < k; j += kPermuteThreads) {
+      const float v = to_float(x[j]);
+      sum = fmaf(v, v, sum);
+    }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < kPermuteThreads / 32; ++w) total += warp_sums[w];
+      r_row = 1.f / sqrtf(total / norm_size + eps);
+    }
+    __syncthreads();
+    r = r_row;
+  }
+  const int end = min(k, int(blockIdx.y + 1) * split_cols);
+  for (int j = blockIdx.y * split_cols + threadIdx.x; j < end; j += kPermuteThreads) {
+    const int c = perm ? min(max(perm[j], 0), k - 1) : j;
+    const float v = to_float(x[c]);
+    float y;
+    if (norm_weight) {
+      y = v * r * to_float(norm_weight[c]);
+    } else {
+      const float g = to_float(gate[c]);
+      y = g / (1.f + expf(-g)) * v;
+    }
+    out[row * k + j] = from_float<scalar_t>(y);
+  }
+}
+
+// C = dtype(C + residual) elementwise, [m, n] (n a multiple of 64): 8 columns
+// a thread.
+template <typename scalar_t>
+__global__ void add_residual(scalar_t *C, const scalar_t *residual, int64_t count8) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count8;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int4 c = reinterpret_cast<int4 *>(C)[i];
+    const int4 a = reinterpret_cast<const int4 *>(residual)[i];
+    scalar_t *ce = reinterpret_cast<scalar_t *>(&c);
+    const scalar_t *ae = reinterpret_cast<const scalar_t *>(&a);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ce[e] = from_float<scalar_t>(to_float(ce[e]) + to_float(ae[e]));
+    reinterpret_cast<int4 *>(C)[i] = c;
+  }
+}
+
+template <typename scalar_t>
+std::string run_prologue(const void *A, const Fusion &f, const int *perm, void *out, int64_t m,
+                         int64_t k, const DeviceInfo &info, cudaStream_t stream) {
+  // About two blocks per SM in all, as the permutation pass.
+  int64_t splits = (2 * info.sms + m - 1) / m;
+  const int64_t most = k / kPermuteMinSplitCols > 1 ? k / kPermuteMinSplitCols : 1;
+  if (splits > most) splits = most;
+  const int64_t split_cols = (k / 8 + splits - 1) / splits * 8;
+  splits = (k + split_cols - 1) / split_cols;
+  prologue_rows<scalar_t><<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, 0, stream>>>(
+      static_cast<const scalar_t *>(A), static_cast<const scalar_t *>(f.norm_weight), f.swiglu,
+      perm, static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps,
+      int(split_cols));
+  if (cudaError_t error = cudaGetLastError()) return cuda_error("prologue launch", error);
+  return {};
+}
+
+template <typename scalar_t>
+std::string run_residual(void *C, const void *residual, int64_t m, int64_t n,
+                         const DeviceInfo &info, cudaStream_t stream) {
+  const int64_t count8 = m * n / 8;
+  const int64_t blocks = std::min<int64_t>((count8 + 255) / 256, 8 * int64_t(info.sms));
+  add_residual<scalar_t><<<unsigned(blocks), 256, 0, stream>>>(
+      static_cast<scalar_t *>(C), static_cast<const scalar_t *>(residual), count8);
+  if (cudaError_t error = cudaGetLastError()) return cuda_error("residual launch", error);
+  return {};
+}
+
 // Act-order at m <= 16: whether the decode kernel gathers x itself (an L2
 // round trip for the indices, then one per 8 columns of a row, on the
 // kernel's critical path) rather than read it from the permutation pass (a
@@ -153,32 +258,16 @@ std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_b
                  : launch_group<scalar_t, false>(group_blocks, c, thread_m_blocks, p);
 }
 
-}  // namespace
 
-std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
-                   const int *perm, const void *bias, void *C, int64_t m, int64_t n, int64_t k,
-                   int64_t group_size, bool bf16, int *workspace, float *reduce_scratch,
-                   cudaStream_t stream, bool workspace_zeroed) {
-  if (std::string why = check_problem(m, n, k, group_size); !why.empty())
-    return "jax_marlin: " + why;
-  if (m == 0) return {};
 
-  int device;
-  const DeviceInfo *device_attrs;
-  if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
-  const DeviceInfo &info = *device_attrs;
-  if (info.major < 8)
-    return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
-           std::to_string(info.major) + "." + std::to_string(info.minor);
-
-  // On Hopper, decode batch sizes run on the decode kernel (one launch, no
-  // scratch) where it was measured faster, and batches of 64 rows and more
-  // on the wgmma prefill kernel.
+// The product, x' given (the prologue done unless `inside` holds it).
+std::string matmul_product(const void *A, const void *B, const void *s, const void *zeros,
+                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
+                           int64_t k, int64_t group_size, bool bf16, int *workspace,
+                           float *reduce_scratch, cudaStream_t stream, bool workspace_zeroed,
+                           const DeviceInfo &info, int device, const DecodeConfig &decode,
+                           const Fusion &inside) {
   const KernelPolicy &policy = kernel_policy();
-  DecodeConfig decode;
-  if (info.major == 9 && m <= kDecodeMaxM && policy.decode)
-    decode = policy.forced.valid() ? policy.forced
-                                   : choose_decode_config(m, n, k, group_size, info.sms);
   // Act-order: x in the weight's row order, gathered by the decode kernel
   // as it loads x, or otherwise written by a pass into the scratch, past
   // the partial sums (the next kernel starts during it: PDL).
@@ -191,7 +280,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   }
   if (decode.valid())
     return decode_matmul(A, B, s, zeros, perm, bias, C, m, n, k, group_size, bf16, decode,
-                         policy.pdl, stream);
+                         policy.pdl, stream, inside);
   if (info.major == 9 && info.minor == 0 && policy.prefill && prefill_supported(m, n, k, group_size))
     return prefill_matmul(A, B, s, zeros, bias, C, m, n, k, group_size, bf16, workspace,
                           reduce_scratch, stream, policy.pdl, workspace_zeroed);
@@ -241,6 +330,59 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
     p.C += 16 * thread_m_blocks * (n / 8) * par;
   }
   return {};
+}
+
+}  // namespace
+
+std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
+                   const int *perm, const void *bias, void *C, int64_t m, int64_t n, int64_t k,
+                   int64_t group_size, bool bf16, int *workspace, float *reduce_scratch,
+                   cudaStream_t stream, bool workspace_zeroed, const Fusion &fusion) {
+  if (std::string why = check_problem(m, n, k, group_size); !why.empty())
+    return "jax_marlin: " + why;
+  if (m == 0) return {};
+
+  int device;
+  const DeviceInfo *device_attrs;
+  if (std::string why = current_device(&device, &device_attrs); !why.empty()) return why;
+  const DeviceInfo &info = *device_attrs;
+  if (info.major < 8)
+    return "jax_marlin: the Marlin kernel needs compute capability 8.0 or newer, this device has " +
+           std::to_string(info.major) + "." + std::to_string(info.minor);
+
+  // On Hopper, decode batch sizes run on the decode kernel (one launch, no
+  // scratch) where it was measured faster, and batches of 64 rows and more
+  // on the wgmma prefill kernel. (Not the decode kernel for every fused call
+  // either: forced onto it where the Marlin kernel won, down's 14336 x 4096
+  // at m = 16 took 143 us a Llama-3-8B block against 89 with the passes, H100.)
+  const KernelPolicy &policy = kernel_policy();
+  DecodeConfig decode;
+  if (info.major == 9 && m <= kDecodeMaxM && policy.decode)
+    decode = policy.forced.valid() ? policy.forced
+                                   : choose_decode_config(m, n, k, group_size, info.sms);
+  // The decode kernel adds the residual itself, and runs the prologue on x
+  // in its own order; otherwise a prologue pass writes x' (permuted, with a
+  // perm) into the scratch, past the partial sums, and for the other kernels
+  // a pass after them adds the residual.
+  Fusion inside;
+  if (decode.valid()) {
+    inside.residual = fusion.residual;
+    if (!perm) inside = fusion;
+  }
+  if (fusion.prologue() && !inside.prologue()) {
+    void *x_prime = reduce_scratch + permuted_x_offset(m, n, k);
+    std::string why = bf16 ? run_prologue<nv_bfloat16>(A, fusion, perm, x_prime, m, k, info, stream)
+                           : run_prologue<half>(A, fusion, perm, x_prime, m, k, info, stream);
+    if (!why.empty()) return why;
+    A = x_prime;
+    perm = nullptr;
+  }
+  std::string why = matmul_product(A, B, s, zeros, perm, bias, C, m, n, k, group_size, bf16,
+                                   workspace, reduce_scratch, stream, workspace_zeroed, info,
+                                   device, decode, inside);
+  if (!why.empty() || !fusion.residual || inside.residual) return why;
+  return bf16 ? run_residual<nv_bfloat16>(C, fusion.residual, m, n, info, stream)
+              : run_residual<half>(C, fusion.residual, m, n, info, stream);
 }
 
 }  // namespace marlin

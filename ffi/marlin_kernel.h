@@ -9,7 +9,9 @@
 // [k / group_size (or 1), n / 8] in the order packing.py states, or null for
 // zero point 8. perm (act-order) is int32 [k]: the product is then
 // A[:, perm] @ dequant(B, s, z), the weight's rows being stored in that order;
-// null for none. bias is [n] in A's dtype, or null.
+// null for none. bias is [n] in A's dtype, or null. `fusion`
+// (marlin_problem.h) adds an RMSNorm or SwiGLU prologue on A and a residual
+// on C.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,13 +31,14 @@ namespace marlin {
 // needs them. `reduce_scratch` holds
 // reduce_scratch_size(m, n, k, perm != null) floats (no initial value needed):
 // thread blocks that share an output tile sum their partial results there in
-// fp32, and with a perm the permuted A is written there. Returns
+// fp32, and with a perm or a prologue (reduce_scratch_size's x_copy) the A
+// the kernel multiplies is written there. Returns
 // an empty string on success, otherwise a description of the failure
 // (nothing is thrown).
 std::string matmul(const void *A, const void *B, const void *s, const void *zeros,
                    const int *perm, const void *bias, void *C,
                    int64_t m, int64_t n, int64_t k, int64_t group_size, bool bf16,
                    int *workspace, float *reduce_scratch, cudaStream_t stream,
-                   bool workspace_zeroed = false);
+                   bool workspace_zeroed = false, const Fusion &fusion = {});
 
 }  // namespace marlin

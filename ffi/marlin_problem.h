@@ -14,6 +14,9 @@ constexpr int kMinThreadN = 64;   // narrowest n tile
 constexpr int kMaxThreadN = 256;  // widest n tile
 constexpr int kMinThreadK = 64;   // shallowest k tile
 constexpr int kMaxPar = 16;       // batch blocks of 64 rows run in one launch
+// Largest m the decode kernel (decode_kernel.h) takes: where it runs the
+// fusions inside (the Python lowering routes larger fused calls, module.cc).
+constexpr int kDecodeMaxM = 16;
 constexpr int kMaxBlocks = 256;   // thread blocks a launch runs at most (one per SM)
 
 // Group sizes the kernel is instantiated for: rows of k that share one scale,
@@ -25,6 +28,23 @@ inline bool is_group_size(int64_t g) {
     if (g == size) return true;
   return false;
 }
+
+// What a call does around its product, fused into the decode kernel and run
+// as passes around the other kernels (marlin_kernel.cu), for the FFI
+// handlers of both platforms (ffi_common.h states the contract):
+//   x' = x, or dtype(x r norm_weight) with r = rsqrt(sum x^2 / norm_size +
+//        norm_eps) per row (RMSNorm), or with swiglu, x = [gate | up] of 2 k
+//        columns a row, dtype(silu(gate) up) (SwiGLU), in fp32;
+//   y  = dtype(x'[perm] W + bias), plus residual: dtype(y + residual).
+// All null: the plain product.
+struct Fusion {
+  const void *residual = nullptr;     // [m, n], y's dtype
+  const void *norm_weight = nullptr;  // [k], x's dtype
+  bool swiglu = false;
+  float norm_eps = 0.f;
+  int64_t norm_size = 0;              // the logical k the mean divides by
+  bool prologue() const { return norm_weight != nullptr || swiglu; }
+};
 
 struct ThreadConfig {
   int thread_k;

@@ -64,6 +64,7 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
   m.attr("TILE") = marlin::kTile;
   m.attr("MIN_THREAD_K") = marlin::kMinThreadK;
   m.attr("MIN_THREAD_N") = marlin::kMinThreadN;
+  m.attr("DECODE_MAX_M") = marlin::kDecodeMaxM;
   nb::list group_sizes;
   for (int g : marlin::kGroupSizes) group_sizes.append(g);
   m.attr("GROUP_SIZES") = nb::tuple(group_sizes);
@@ -84,9 +85,10 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
   m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
         "int32 counters a CUDA call needs for an [m, n] output.");
   m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),
-        nb::arg("k"), nb::arg("act_order") = false,
-        "float32 a CUDA call needs for [m, k] x [k, n]: partial sums handed between thread "
-        "blocks, and with act_order x in the weight's row order.");
+        nb::arg("k"), nb::arg("x_copy") = false,
+        "float32 elements of the CUDA call's reduce_scratch: partial sums handed between thread "
+        "blocks, and with x_copy (act-order, or an RMSNorm or SwiGLU prologue) the x the "
+        "kernels multiply.");
   m.def(
       "check_group_size",
       [](int64_t g) { return marlin::is_group_size(g) ? std::string() : marlin::group_size_error(g); },

@@ -21,9 +21,11 @@ inline int64_t workspace_size(int64_t m, int64_t n) {
 }
 
 // float32 partial sums handed between thread blocks that share output tiles;
-// with act-order, after them (from a 32-byte boundary), x in the weight's row order ([m, k]
-// of 16-bit values, m k / 2 floats' room) follows them, for the kernels that
-// read x with whole-row copies (the decode kernel gathers it as it loads).
+// with `x_copy` (act-order, or an RMSNorm or SwiGLU prologue), after them
+// (from a 32-byte boundary), the x the kernels multiply: the prologue's x'
+// in the weight's row order ([m, k] of 16-bit values, m k / 2 floats' room),
+// for the kernels that read x with whole-row copies (the decode kernel
+// gathers a permuted x and runs the prologues as it loads x).
 inline int64_t partials_size(int64_t m, int64_t n, int64_t k) {
   const int64_t marlin = marlin_scratch_size(m, n);
   const int64_t prefill = m >= kPrefillMinM ? prefill_partials_size(m, n, k) : 0;
@@ -34,8 +36,8 @@ inline int64_t permuted_x_offset(int64_t m, int64_t n, int64_t k) {
   return (partials_size(m, n, k) + 7) / 8 * 8;
 }
 
-inline int64_t reduce_scratch_size(int64_t m, int64_t n, int64_t k, bool act_order) {
-  return act_order ? permuted_x_offset(m, n, k) + (m * k + 1) / 2 : partials_size(m, n, k);
+inline int64_t reduce_scratch_size(int64_t m, int64_t n, int64_t k, bool x_copy) {
+  return x_copy ? permuted_x_offset(m, n, k) + (m * k + 1) / 2 : partials_size(m, n, k);
 }
 
 }  // namespace marlin

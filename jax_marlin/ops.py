@@ -2,27 +2,31 @@
 
 The layers, top down: this module checks the user's arguments once (in
 logical sizes, naming them) and binds ``matmul_p``, the op's primitive, which
-holds the derivative rules (linear in ``x``; the cotangent ``dy @ W^T``) and
-the batching rule; its lowering pads ``x`` and the bias to the weight's padded
-shape and drops the padded columns of ``y``; ``partitioning`` runs the kernel
-per shard under sharded inputs; ``primitive`` is the kernel's abstract
-evaluation and lowering; ``shapes`` holds the rules they check.
+holds the derivative rules (linear in ``x`` without a prologue; the cotangent
+``dy @ W^T``; a prologue's derivative through its jnp statement in
+``fusion``) and the batching rule; its lowering pads ``x``, the bias and the
+fused operands to the weight's padded shape and drops the padded columns of
+``y``; ``partitioning`` runs the kernel per shard under sharded inputs;
+``primitive`` is the kernel's abstract evaluation and lowering; ``shapes``
+holds the rules they check.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_marlin import partitioning, shapes
-from jax_marlin._compat import (Primitive, ShapedArray, ad, batching, mlir,
+from jax_marlin import fusion, partitioning, shapes
+from jax_marlin._compat import (Primitive, ShapedArray, Tracer, ad, batching, mlir,
                                 requires_devices_during_lowering)
 from jax_marlin.packing import MarlinWeight, _check_weight, dequantize
 
 __all__ = ["matmul"]
 
 
-def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
+def matmul(x, w: MarlinWeight, bias=None, *, residual=None, rms_norm_weight=None,
+           rms_norm_eps: float = 1e-6, swiglu: bool = False) -> jax.Array:
     """``x @ W + bias`` with the Marlin kernel, on CPU and CUDA, under ``jit``/``vmap``.
 
     The bias is added in float32 to the float32 product before its one
@@ -31,20 +35,52 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
     ``n`` needs no communication, sharding ``k`` one all-reduce of ``y`` (the
     bias is then added once, after it).
 
+    Fusions: the elementwise work a transformer block does between its
+    projections runs in the same call: with ``y = dtype(x' W + bias)``,
+
+    * ``residual``: returns ``dtype(y + residual)``, added in float32:
+      exactly ``jm.matmul(x, w, bias) + residual`` in ``x.dtype``.
+    * ``rms_norm_weight`` (RMSNorm prologue): ``x'_j = dtype(x_j r
+      rms_norm_weight_j)`` with ``r = 1 / sqrt(sum_j x_j^2 / k +
+      rms_norm_eps)`` per row, in float32.
+    * ``swiglu=True`` (SwiGLU prologue): ``x`` is ``[..., 2 k]``, ``[gate |
+      up]`` (the output of a ``jm.concatenate([w_gate, w_up])`` projection),
+      and ``x' = dtype(silu(gate) up)``, ``silu(g) = g / (1 + exp(-g))``, in
+      float32.
+
+    Without a prologue ``x' = x``; with an act-order weight the prologue runs
+    in ``x``'s own column order. Each result equals the unfused composition
+    (``jax_marlin.fusion`` states it in ``jax.numpy``) up to the float32
+    rounding of the sum of squares and of ``exp``. Why: a decode step spends
+    about a fifth of its time in XLA's small elementwise kernels between the
+    projections; on the Hopper decode path (m <= 16) the decode kernel runs the
+    prologue as it loads ``x`` and adds the residual as it stores ``y``, one
+    kernel instead of three. Where the decode kernel does not take the call
+    (m > 16, m > 8 with k > 4096, act-order with a prologue) the fusions
+    lower to ``jax.numpy`` ops around the plain call, which XLA fuses with
+    its neighbours (``jax_marlin.primitive``, measured there).
+
     Args:
       x: ``[..., k]`` float16 or bfloat16 activations, the dtype of the
-        weight's scales (``w.dtype``).
+        weight's scales (``w.dtype``); ``[..., 2 k]`` with ``swiglu``.
       w: a :class:`MarlinWeight` for a ``[k, n]`` weight.
       bias: optional ``[n]`` in ``x.dtype``.
+      residual: optional ``[..., n]`` (the result's shape) in ``x.dtype``.
+      rms_norm_weight: optional ``[k]`` in ``x.dtype``; not with ``swiglu``.
+      rms_norm_eps: the RMSNorm's epsilon (a Python float, ``>= 0``).
+      swiglu: whether ``x`` is ``[gate | up]`` and the call multiplies
+        ``silu(gate) up``.
 
     Returns:
       ``[..., n]`` in ``x.dtype``.
 
-    Differentiable with respect to ``x`` (linear: the tangent is
-    ``jm.matmul(x_dot, w)``, the cotangent ``dy @ W^T``) and ``bias``, under
-    ``jit``, ``vmap`` and sharding, forward and reverse mode. The weight is
-    frozen: a derivative with respect to its ``qweight`` or ``scales`` raises
-    ``TypeError`` (``jax.lax.stop_gradient`` it, or close over it).
+    Differentiable with respect to ``x`` (without a prologue linear: the
+    tangent is ``jm.matmul(x_dot, w)``, the cotangent ``dy @ W^T``; with one,
+    the prologue's derivative, from its jnp statement, times ``W``), ``bias``,
+    ``residual`` and ``rms_norm_weight``, under ``jit``, ``vmap`` and
+    sharding, forward and reverse mode. The weight is frozen: a derivative
+    with respect to its ``qweight`` or ``scales`` raises ``TypeError``
+    (``jax.lax.stop_gradient`` it, or close over it).
 
     Weights imported with act-order or zero points (``w.perm``, ``w.zeros``)
     run in the same jitted call:
@@ -59,63 +95,110 @@ def matmul(x, w: MarlinWeight, bias=None) -> jax.Array:
       pass over the weight), or at the smallest batches the decode kernel
       gathers ``x`` as it loads it.
     """
-    return _matmul(x, w, bias, poison_output=False)
+    return _matmul(x, w, bias, residual=residual, rms_norm_weight=rms_norm_weight,
+                   rms_norm_eps=rms_norm_eps, swiglu=swiglu, poison_output=False)
 
 
-def _matmul(x, w: MarlinWeight, bias=None, *, poison_output: bool) -> jax.Array:
+def _matmul(x, w: MarlinWeight, bias=None, *, residual=None, rms_norm_weight=None,
+            rms_norm_eps: float = 1e-6, swiglu: bool = False,
+            poison_output: bool) -> jax.Array:
     """:func:`matmul`, with ``poison_output`` for tests (``y`` starts as NaN)."""
     x = jnp.asarray(x)
-    if bias is not None:
-        bias = jnp.asarray(bias)
-    _check_arguments(x, w, bias)
-    return _bind(x, w, bias, bool(poison_output))
+    bias, residual, rms_norm_weight = (None if a is None else jnp.asarray(a)
+                                       for a in (bias, residual, rms_norm_weight))
+    norm_eps = _check_arguments(x, w, bias, residual, rms_norm_weight, rms_norm_eps, swiglu)
+    return _bind(x, w, bias, residual, rms_norm_weight, norm_eps, bool(swiglu),
+                 bool(poison_output))
 
 
-def _check_arguments(x, w, bias) -> None:
-    """The user's arguments, in the logical sizes ``[k, n]`` they were given in."""
+def _check_arguments(x, w, bias, residual, rms_norm_weight, rms_norm_eps, swiglu) -> float:
+    """The user's arguments, in the logical sizes ``[k, n]`` they were given in; returns
+    ``rms_norm_eps`` as a float."""
     if not isinstance(w, MarlinWeight):
         raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
                         f"got {type(w).__name__}")
     _check_weight(w)
     if w.qweight.dtype != jnp.int32:  # the kernel's abstract eval sees it only when lowered
         raise TypeError(f"qweight.dtype is {w.qweight.dtype}, expected int32 (8 nibbles a word)")
+    if not isinstance(swiglu, (bool, np.bool_)):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    # A static value: it is an attribute of the kernel call, not an operand.
+    if isinstance(rms_norm_eps, Tracer) or np.ndim(rms_norm_eps) != 0:
+        raise TypeError(f"rms_norm_eps must be a Python float, got {type(rms_norm_eps).__name__}")
+    norm_eps = float(rms_norm_eps)
+    if not norm_eps >= 0:
+        raise ValueError(f"rms_norm_eps = {norm_eps} must be a non-negative number")
     shapes.check_dtypes(x.dtype, w.scales.dtype, None if bias is None else bias.dtype)
+    shapes.check_fusion_dtypes(x.dtype, residual=None if residual is None else residual.dtype,
+                               rms_norm_weight=None if rms_norm_weight is None
+                               else rms_norm_weight.dtype)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension, [..., k]")
-    if x.shape[-1] != w.k:
+    if swiglu and x.shape[-1] != 2 * w.k:
+        raise ValueError(f"x.shape[-1] = {x.shape[-1]}, expected 2 k = {2 * w.k}: with "
+                         f"swiglu=True x is [gate | up], k = {w.k} columns each (x has shape "
+                         f"{x.shape}, the weight [k, n] = [{w.k}, {w.n}])")
+    if not swiglu and x.shape[-1] != w.k:
         raise ValueError(f"x.shape[-1] = {x.shape[-1]} does not match the weight's k = {w.k} "
                          f"(x has shape {x.shape}, the weight [k, n] = [{w.k}, {w.n}])")
     if bias is not None and bias.shape != (w.n,):
         raise ValueError(f"bias.shape = {bias.shape}, expected ({w.n},): one value per output "
                          f"column of the weight [k, n] = [{w.k}, {w.n}]")
+    y_shape = x.shape[:-1] + (w.n,)
+    if residual is not None and residual.shape != y_shape:
+        raise ValueError(f"residual.shape = {residual.shape}, expected the result's shape "
+                         f"{y_shape}: x's leading dimensions {x.shape[:-1]} and the weight's "
+                         f"n = {w.n}")
+    if rms_norm_weight is not None and swiglu:
+        raise ValueError("rms_norm_weight and swiglu cannot both be given: a call runs one "
+                         "prologue (RMSNorm of x, or SwiGLU of x = [gate | up])")
+    if rms_norm_weight is not None and rms_norm_weight.shape != (w.k,):
+        raise ValueError(f"rms_norm_weight.shape = {rms_norm_weight.shape}, expected "
+                         f"({w.k},): one value per input feature, the weight's k (the weight "
+                         f"[k, n] = [{w.k}, {w.n}])")
+    return norm_eps
 
 
 # --- the op: one primitive with its rules ----------------------------------------------
 #
 # jm.matmul is a primitive of its own, so that its derivative rules sit above
-# the custom_partitioning op (which has none): the JVP is linear in x (the
-# tangent goes through the same op), the transpose multiplies the cotangent by
-# W^T, and the batching rule folds a batch of x into m. Its lowering is the
-# padded, partitioned kernel call below. The weight travels as its pytree
-# leaves plus the treedef, so fields added to MarlinWeight travel with it.
+# the custom_partitioning op (which has none): the JVP of the plain product is
+# linear in x (the tangent goes through the same op), a prologue's tangent is
+# its jnp derivative through the plain op, the transpose multiplies the
+# cotangent by W^T, and the batching rule folds a batch of x into m. Its
+# lowering is the padded, partitioned kernel call below. The weight travels as
+# its pytree leaves plus the treedef, so fields added to MarlinWeight travel
+# with it.
 
 matmul_p = Primitive("jax_marlin_matmul")
-"""Operands ``(x [..., k], *leaves of the MarlinWeight, bias [n] or [0])``;
-params ``weight_tree`` (the weight's treedef: ``k``, ``n``, ``group_size``) and
-``poison_output``. Result ``[..., n]`` in ``x``'s dtype, logical sizes."""
+"""Operands ``(x [..., k] ([..., 2 k] with swiglu), *leaves of the MarlinWeight,
+bias [n] or [0], residual [..., n] or [0], norm_weight [k] or [0])``; params
+``weight_tree`` (the weight's treedef: ``k``, ``n``, ``group_size``),
+``poison_output``, ``norm_eps`` and ``swiglu``. Result ``[..., n]`` in ``x``'s
+dtype, logical sizes."""
+
+# The operands after the weight's leaves: bias, residual, norm_weight.
+_FUSED = 3
 
 
-def _bind(x, w: MarlinWeight, bias, poison_output: bool) -> jax.Array:
+def _bind(x, w: MarlinWeight, bias, residual, norm_weight, norm_eps: float, swiglu: bool,
+          poison_output: bool) -> jax.Array:
     leaves, weight_tree = jax.tree.flatten(w)
-    if bias is None:  # "no bias": a [0] operand, as the kernel takes it
-        bias = jnp.zeros((0,), x.dtype)
-    return matmul_p.bind(x, *leaves, bias, weight_tree=weight_tree,
-                         poison_output=poison_output)
+    # "none": a [0] operand, as the kernel takes it.
+    bias, residual, norm_weight = (jnp.zeros((0,), x.dtype) if a is None else a
+                                   for a in (bias, residual, norm_weight))
+    return matmul_p.bind(x, *leaves, bias, residual, norm_weight, weight_tree=weight_tree,
+                         poison_output=poison_output, norm_eps=norm_eps, swiglu=swiglu)
 
 
-def _abstract_eval(x, *rest, weight_tree, poison_output):
-    del poison_output
-    w = jax.tree.unflatten(weight_tree, rest[:-1])
+def _plain(weight_tree, poison_output) -> dict:
+    """The params of the plain product ``x W``: no prologue."""
+    return dict(weight_tree=weight_tree, poison_output=poison_output, norm_eps=0.0, swiglu=False)
+
+
+def _abstract_eval(x, *rest, weight_tree, poison_output, norm_eps, swiglu):
+    del poison_output, norm_eps, swiglu
+    w = jax.tree.unflatten(weight_tree, rest[:-_FUSED])
     # x's type with its last dimension replaced, so that inside shard_map y
     # varies over the mesh axes x does (the transpose's cotangent must match
     # x's type). Sharded in types, y's n follows the weight's n (qweight's
@@ -129,18 +212,31 @@ def _abstract_eval(x, *rest, weight_tree, poison_output):
                     sharding=x.sharding.update(spec=x.sharding.spec.update(partitions=spec)))
 
 
-def _padded_matmul(*operands, weight_tree, poison_output: bool) -> jax.Array:
-    """Pads ``x [..., k]`` and ``bias [n]`` to the weight's padded shape, drops padded columns."""
-    x, *leaves, bias = operands
+def _padded_matmul(*operands, weight_tree, poison_output: bool, norm_eps: float,
+                   swiglu: bool) -> jax.Array:
+    """Pads ``x [..., k]``, ``bias [n]``, ``residual [..., n]`` and ``norm_weight [k]`` to the
+    weight's padded shape, drops padded columns."""
+    x, *leaves, bias, residual, norm_weight = operands
     w = jax.tree.unflatten(weight_tree, leaves)
-    if w.k_pad > w.k:  # zero activations meet the zero rows of the padded weight
+    if w.k_pad > w.k:
+        # Zero activations meet the zero rows of the padded weight; they add
+        # nothing to RMSNorm's sum of squares (its mean divides by the logical
+        # k), and SwiGLU's silu(0) 0 is 0: each of gate and up is padded.
+        halves = (2,) if swiglu else ()
+        x = x.reshape(x.shape[:-1] + halves + (w.k,))
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.k_pad - w.k)])
-    if bias.shape != (0,) and w.n_pad > w.n:
-        bias = jnp.pad(bias, (0, w.n_pad - w.n))
+        x = x.reshape(x.shape[:-1 - len(halves)] + (x.shape[-1] * (1 + swiglu),))
+        if norm_weight.shape != (0,):
+            norm_weight = jnp.pad(norm_weight, (0, w.k_pad - w.k))
+    if w.n_pad > w.n:
+        if bias.shape != (0,):
+            bias = jnp.pad(bias, (0, w.n_pad - w.n))
+        if residual.shape != (0,):
+            residual = jnp.pad(residual, [(0, 0)] * (residual.ndim - 1) + [(0, w.n_pad - w.n)])
     zeros = jnp.zeros((0, 0), jnp.int32) if w.zeros is None else w.zeros  # [0, 0]: none
     perm = jnp.zeros((0,), jnp.int32) if w.perm is None else _padded_perm(w)  # [0]: none
-    y = partitioning.matmul(x, w.qweight, w.scales, zeros, perm, bias, w.k_pad, w.n_pad,
-                            w.group_size, poison_output)
+    y = partitioning.matmul(x, w.qweight, w.scales, zeros, perm, bias, residual, norm_weight,
+                            w.k_pad, w.n_pad, w.group_size, poison_output, norm_eps, w.k, swiglu)
     return y[..., :w.n] if w.n_pad > w.n else y
 
 
@@ -161,7 +257,8 @@ def _padded_perm(w: MarlinWeight) -> jax.Array:
 
 # Eager binds run through jit, so that eager calls on sharded arrays are
 # partitioned too (the kernel primitive's own eager path would gather them).
-_impl = jax.jit(_padded_matmul, static_argnames=("weight_tree", "poison_output"))
+_impl = jax.jit(_padded_matmul,
+                static_argnames=("weight_tree", "poison_output", "norm_eps", "swiglu"))
 
 
 # --- autodiff --------------------------------------------------------------------------
@@ -171,10 +268,13 @@ def _is_zero(tangent) -> bool:
     return type(tangent) is ad.Zero or tangent.dtype == jax.dtypes.float0
 
 
-def _jvp(primals, tangents, *, weight_tree, poison_output):
-    # y = x W + bias is linear in x and affine in the bias; W is frozen.
-    x, *leaves, bias = primals
-    x_dot, *leaf_dots, bias_dot = tangents
+def _jvp(primals, tangents, *, weight_tree, poison_output, norm_eps, swiglu):
+    # y = dtype(dtype(x' W + bias) + residual): x' W is linear in x' and W is
+    # frozen, so the tangent is x'_dot W (the plain op, linear in x, which
+    # reverse mode transposes) plus the bias and residual tangents, x'_dot
+    # being the prologue's jnp derivative (fusion.py) along x and norm_weight.
+    x, *leaves, bias, residual, norm_weight = primals
+    x_dot, *leaf_dots, bias_dot, residual_dot, norm_dot = tangents
     if not all(_is_zero(t) for t in leaf_dots):
         raise TypeError(
             "jm.matmul has no derivative with respect to the quantized weight (its qweight "
@@ -183,28 +283,49 @@ def _jvp(primals, tangents, *, weight_tree, poison_output):
             "passing it as a differentiated argument, or, in Flax NNX, keep it in a "
             "QuantizedWeight (an nnx.Variable that is not an nnx.Param, as MarlinLinear "
             "does) and differentiate with respect to nnx.Param")
-    y = matmul_p.bind(*primals, weight_tree=weight_tree, poison_output=poison_output)
+    y = matmul_p.bind(*primals, weight_tree=weight_tree, poison_output=poison_output,
+                      norm_eps=norm_eps, swiglu=swiglu)
+    has_norm = norm_weight.shape != (0,)
+    x_prime_dot = None
+    if has_norm or swiglu:
+        if not (_is_zero(x_dot) and (not has_norm or _is_zero(norm_dot))):
+            size = jax.tree.unflatten(weight_tree, leaves).k
+
+            def prologue(x, norm_weight):
+                return fusion.prologue(x, norm_weight if has_norm else None, norm_eps, size,
+                                       use_swiglu=swiglu)
+
+            _, x_prime_dot = jax.jvp(prologue, (x, norm_weight),
+                                     (ad.instantiate_zeros(x_dot), ad.instantiate_zeros(norm_dot)))
+    elif not _is_zero(x_dot):
+        x_prime_dot = x_dot
     y_dot = None
-    if not _is_zero(x_dot):
+    if x_prime_dot is not None:
         empty = jnp.zeros((0,), x.dtype)
-        y_dot = matmul_p.bind(x_dot, *leaves, empty, weight_tree=weight_tree,
-                              poison_output=poison_output)
-    if bias.shape != (0,) and not _is_zero(bias_dot):
-        b_dot = jnp.broadcast_to(bias_dot.astype(y.dtype), y.shape)
-        y_dot = b_dot if y_dot is None else y_dot + b_dot
+        y_dot = matmul_p.bind(x_prime_dot, *leaves, empty, empty, empty,
+                              **_plain(weight_tree, poison_output))
+    for operand, tangent in ((bias, bias_dot), (residual, residual_dot)):
+        if operand.shape != (0,) and not _is_zero(tangent):
+            t = jnp.broadcast_to(tangent.astype(y.dtype), y.shape)
+            y_dot = t if y_dot is None else y_dot + t
     return y, ad.Zero.from_primal_value(y) if y_dot is None else y_dot
 
 
-def _transpose(ct, x, *rest, weight_tree, poison_output):
+def _transpose(ct, x, *rest, weight_tree, poison_output, norm_eps, swiglu):
     # Called on the linear part only: the JVP's x tangent, or a user's
-    # jax.linear_transpose of x -> x W. The weight and bias are known there.
-    del poison_output
+    # jax.linear_transpose of x -> x W. The weight, bias and residual are
+    # known there.
+    del poison_output, norm_eps
     if any(ad.is_undefined_primal(a) for a in rest):
         raise TypeError("jm.matmul is linear in x only; it cannot be transposed with respect "
-                        "to the weight or the bias")
+                        "to the weight, the bias, the residual or the RMSNorm weight")
+    if swiglu or rest[-1].shape != (0,):
+        raise TypeError("jm.matmul with a prologue (rms_norm_weight or swiglu) is not linear "
+                        "in x, so it has no transpose; differentiate it with jax.grad or "
+                        "jax.vjp, which transpose its linearization")
     if type(ct) is ad.Zero:
         return [None] * (1 + len(rest))
-    w = jax.tree.unflatten(weight_tree, rest[:-1])
+    w = jax.tree.unflatten(weight_tree, rest[:-_FUSED])
     mesh = next((m for m in (jax.typeof(a).sharding.mesh for a in (ct, *jax.tree.leaves(w)))
                  if m.explicit_axes), None)
     if mesh is not None:
@@ -244,19 +365,22 @@ def _matmul_transposed(dy, w: MarlinWeight) -> jax.Array:
 # --- vmap ------------------------------------------------------------------------------
 
 
-def _batch(operands, dims, *, weight_tree, poison_output):
-    """A batch of ``x`` folds into its leading dimensions (the kernel's m); batched
-    weights or biases run one call per element."""
-    x, *leaves, bias = operands
-    x_dim, *leaf_dims, bias_dim = dims
-    params = dict(weight_tree=weight_tree, poison_output=poison_output)
-    if all(d is None for d in leaf_dims) and bias_dim is None:
-        return matmul_p.bind(jnp.moveaxis(x, x_dim, 0), *leaves, bias, **params), 0
+def _batch(operands, dims, **params):
+    """A batch of ``x`` and ``residual`` (either or both) folds into their leading
+    dimensions (the kernel's m; each row's prologue is its own); batched weights, biases
+    or RMSNorm weights run one call per element."""
+    x, *leaves, bias, residual, norm_weight = operands
+    x_dim, *leaf_dims, bias_dim, residual_dim, norm_dim = dims
     size = next(a.shape[d] for a, d in zip(operands, dims) if d is not None)
 
     def front(a, d):
         return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
 
+    if all(d is None for d in (*leaf_dims, bias_dim, norm_dim)):
+        if residual.shape != (0,) or residual_dim is not None:
+            residual = front(residual, residual_dim)
+        return matmul_p.bind(front(x, x_dim), *leaves, bias, residual, norm_weight,
+                             **params), 0
     batched = [front(a, d) for a, d in zip(operands, dims)]
     return jax.lax.map(lambda a: matmul_p.bind(*a, **params), batched), 0
 

@@ -2,8 +2,9 @@
 
 :func:`matmul` is the primitive wrapped in ``custom_partitioning``: under
 ``jax.jit`` with sharded inputs the partitioner runs the kernel on each
-device's shard of ``x``, ``qweight``, ``scales``, ``zeros`` and ``bias``
-instead of gathering them. On one device it is the primitive.
+device's shard of ``x``, ``qweight``, ``scales``, ``zeros``, ``bias`` and the
+fused operands (``residual``, ``norm_weight``) instead of gathering them. On
+one device it is the primitive.
 :func:`shard_weight` and :func:`weight_specs` place a weight so that every
 shard runs on the kernel.
 
@@ -26,6 +27,18 @@ with :func:`shard_weight`):
 * Combinations on a 2-D mesh, e.g. ``m`` over ``"data"`` and ``n`` or ``k``
   over ``"model"``. A Megatron MLP (``up`` sharded on ``n``, ``down`` on ``k``
   over the same axis) runs with exactly one all-reduce.
+
+Fusions (ffi/ffi_common.h). The residual ``[..., n]`` is sharded like ``y``,
+an RMSNorm ``norm_weight [k]`` like ``x``'s ``k``. With ``m`` or ``n`` sharded
+every shard holds whole rows of ``x``, so its kernel runs the fused call as
+it is. With ``k`` sharded a shard sees part of each row, and the fusions are
+not the kernel's per shard: the prologue runs in ``jax.numpy`` on the shard
+(``jax_marlin.fusion``; RMSNorm's sum of squares is added over the ``k`` axes:
+one more all-reduce, of ``m`` floats), the kernels multiply its ``x'``, and
+after the all-reduce the bias and then the residual are added once, each
+rounded as the fused call rounds them. SwiGLU's ``x`` is ``[gate | up]``
+(``2 k`` columns): a ``k`` shard needs two blocks of its columns, so that ``x``
+is replicated along its last dimension and each shard slices its own.
 
 Packed layout. A contiguous shard of ``W`` is itself a valid
 :class:`~jax_marlin.MarlinWeight` when its boundaries fall on packed tiles:
@@ -93,7 +106,7 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_marlin import shapes
+from jax_marlin import fusion, shapes
 from jax_marlin._compat import ir
 from jax_marlin.packing import MarlinWeight
 from jax_marlin.primitive import marlin_matmul_p
@@ -264,19 +277,24 @@ def _layout_error(k: int, n: int, group_size: int, k_axes, n_axes, mesh_shape) -
 # --- the partitioned op ------------------------------------------------------------
 
 
-def _full_matmul(x, qweight, scales, zeros, perm, bias, k, n, group_size, poison_output):
+def _full_matmul(x, qweight, scales, zeros, perm, bias, residual, norm_weight, k, n, group_size,
+                 poison_output, norm_eps, norm_size, swiglu):
     # The unpartitioned computation: what runs on one device, eagerly, and what
     # the partitioner's shapes are derived from.
-    return marlin_matmul_p.bind(x, qweight, scales, zeros, perm, bias, k=k, n=n,
-                                group_size=group_size, poison_output=poison_output)
+    return marlin_matmul_p.bind(x, qweight, scales, zeros, perm, bias, residual, norm_weight,
+                                k=k, n=n, group_size=group_size, poison_output=poison_output,
+                                norm_eps=norm_eps, norm_size=norm_size, swiglu=swiglu)
 
 
-def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_types):
-    """The Shardy rule for ``(x [..., k], qweight, scales, zeros, perm, bias) -> y [..., n]``
-    (module doc)."""
-    del poison_output, mesh, result_types
+def _sharding_rule(k, n, group_size, poison_output, norm_eps, norm_size, swiglu, mesh,
+                   operand_types, result_types):
+    """The Shardy rule for ``(x [..., k], qweight, scales, zeros, perm, bias, residual,
+    norm_weight) -> y [..., n]`` (module doc)."""
+    del poison_output, norm_eps, norm_size, mesh, result_types
     has_zeros = _has_elements(operand_types[3])
     has_bias = _has_elements(operand_types[5])
+    has_residual = _has_elements(operand_types[6])
+    has_norm = _has_elements(operand_types[7])
     k_rows = CompoundFactor("k_blocks", "k_rows", "k_tile")
     q_rows = CompoundFactor("k_blocks", "k_rows")
     y_cols = CompoundFactor("n_chunks", "n_cols")
@@ -311,11 +329,29 @@ def _sharding_rule(k, n, group_size, poison_output, mesh, operand_types, result_
     else:  # the empty [0] placeholder: nothing to shard
         bias = ArrayMapping("no_bias")
         replicated += ("no_bias",)
+    if has_residual:  # y's shape, sharded like y
+        residual = ArrayMapping(BATCHING, y_cols)
+    else:
+        residual = ArrayMapping("no_residual")
+        replicated += ("no_residual",)
+    if has_norm:  # one value per row of k, sharded like x's k
+        norm_weight = ArrayMapping(k_rows)
+    else:
+        norm_weight = ArrayMapping("no_norm")
+        replicated += ("no_norm",)
+    if swiglu:
+        # x is [gate | up]: a k shard is two blocks of its columns, which no
+        # sharding of the one dimension gives; it stays whole (module doc).
+        x = ArrayMapping(BATCHING, "x_cols")
+        replicated = ("x_cols",) + tuple(f for f in replicated if f != "k_tile")
+        del sizes["k_tile"]  # only x's (and norm_weight's) k have it
+    else:
+        x = ArrayMapping(BATCHING, k_rows)
     # Shardy wants each kind's factors in order of first appearance, which is
     # the order listed above.
     return SdyShardingRule(
-        operand_mappings=(ArrayMapping(BATCHING, k_rows), ArrayMapping(q_rows, q_cols), scales,
-                          zeros, perm, bias),
+        operand_mappings=(x, ArrayMapping(q_rows, q_cols), scales, zeros, perm, bias, residual,
+                          norm_weight),
         result_mappings=(ArrayMapping(BATCHING, y_cols),),
         reduction_factors=("k_blocks",),
         need_replication_factors=replicated,
@@ -372,59 +408,81 @@ def _has_elements(operand_type) -> bool:
     return shape[0] > 0
 
 
-def _shardings(mesh, group_size, batch, k_axes, n_axes, has_zeros, has_bias):
+def _shardings(mesh, group_size, batch, k_axes, n_axes, has_zeros, has_bias, has_residual,
+               has_norm, swiglu):
     k_entry, n_entry = _entry(k_axes), _entry(n_axes)
     q_spec, s_spec = weight_specs(PartitionSpec(k_entry, n_entry), group_size)
-    args = (NamedSharding(mesh, PartitionSpec(*batch, k_entry)),
+    y_spec = PartitionSpec(*batch, n_entry)
+    args = (NamedSharding(mesh, PartitionSpec(*batch, None if swiglu else k_entry)),
             NamedSharding(mesh, q_spec), NamedSharding(mesh, s_spec),
             NamedSharding(mesh, s_spec if has_zeros else PartitionSpec(None, None)),
             NamedSharding(mesh, PartitionSpec(None)),
-            NamedSharding(mesh, PartitionSpec(n_entry if has_bias else None)))
-    return args, NamedSharding(mesh, PartitionSpec(*batch, n_entry))
+            NamedSharding(mesh, PartitionSpec(n_entry if has_bias else None)),
+            NamedSharding(mesh, y_spec if has_residual else PartitionSpec(None)),
+            NamedSharding(mesh, PartitionSpec(k_entry if has_norm else None)))
+    return args, NamedSharding(mesh, y_spec)
 
 
-def _partition(k, n, group_size, poison_output, mesh, arg_shapes, result_shape):
+def _partition(k, n, group_size, poison_output, norm_eps, norm_size, swiglu, mesh, arg_shapes,
+               result_shape):
     """Per-shard computation: the kernel on ``[k_local, n_local]``, psum over ``k``'s axes."""
     del result_shape
-    x, qweight, _, zeros, perm, bias = arg_shapes
+    x, qweight, _, zeros, perm, bias, residual, norm_weight = arg_shapes
     has_zeros, has_bias = _has_elements(zeros), _has_elements(bias)
+    has_residual, has_norm = _has_elements(residual), _has_elements(norm_weight)
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, _has_elements(perm), mesh,
                                            x.sharding, qweight.sharding, x.ndim, warn=True)
     k_local = k // _shards(k_axes, mesh.shape)
     n_local = n // _shards(n_axes, mesh.shape)
+    fused = dict(norm_eps=norm_eps, norm_size=norm_size, swiglu=swiglu)
 
-    def local(x, qweight, scales, zeros, perm, bias):
-        # Row parallel: every shard's kernel runs without the bias, which is
-        # added once to the all-reduced sum.
-        fused_bias = jnp.zeros((0,), x.dtype) if k_axes else bias
-        y = marlin_matmul_p.bind(x, qweight, scales, zeros, perm, fused_bias, k=k_local,
-                                 n=n_local,
-                                 group_size=group_size, poison_output=poison_output)
-        if k_axes:
-            # Add the float16 partial products (module doc: precision).
-            y = jax.lax.psum(y, k_axes)
-            if has_bias:
-                y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+    def local(x, qweight, scales, zeros, perm, bias, residual, norm_weight):
+        if not k_axes:  # whole rows of x: the fused call as it is
+            return marlin_matmul_p.bind(x, qweight, scales, zeros, perm, bias, residual,
+                                        norm_weight, k=k_local, n=n_local, group_size=group_size,
+                                        poison_output=poison_output, **fused)
+        # Row parallel (module doc): the prologue on this shard's columns, the
+        # kernel on its x' alone, then the bias and the residual once, each
+        # rounded as the fused call rounds them.
+        if has_norm:
+            x = fusion.rms_norm(x, norm_weight, norm_eps, norm_size, axis_name=k_axes)
+        elif swiglu:  # x [..., 2 k] whole: this shard's columns of gate and up
+            start = jax.lax.axis_index(k_axes) * k_local
+            x = fusion.silu_gate(jax.lax.dynamic_slice_in_dim(x, start, k_local, axis=-1),
+                                 jax.lax.dynamic_slice_in_dim(x, k + start, k_local, axis=-1))
+        empty = jnp.zeros((0,), x.dtype)
+        y = marlin_matmul_p.bind(x, qweight, scales, zeros, perm, empty, empty, empty,
+                                 k=k_local, n=n_local, group_size=group_size,
+                                 poison_output=poison_output, norm_eps=0.0, norm_size=0,
+                                 swiglu=False)
+        # Add the float16 partial products (module doc: precision).
+        y = jax.lax.psum(y, k_axes)
+        if has_bias:
+            y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+        if has_residual:
+            y = fusion.add_residual(y, residual)
         return y
 
     arg_shardings, result_sharding = _shardings(mesh, group_size, batch, k_axes, n_axes,
-                                                has_zeros, has_bias)
+                                                has_zeros, has_bias, has_residual, has_norm,
+                                                swiglu)
     return mesh, local, result_sharding, arg_shardings
 
 
-def _infer_sharding_from_operands(k, n, group_size, poison_output, mesh, arg_shapes,
-                                  result_shape):
+def _infer_sharding_from_operands(k, n, group_size, poison_output, norm_eps, norm_size, swiglu,
+                                  mesh, arg_shapes, result_shape):
     # Only used by the GSPMD partitioner (jax_use_shardy_partitioner=False);
     # _partition warns about the same layout.
-    del poison_output, result_shape
-    x, qweight, _, zeros, perm, bias = arg_shapes
+    del poison_output, norm_eps, norm_size, result_shape
+    x, qweight, _, zeros, perm, bias, residual, norm_weight = arg_shapes
     batch, k_axes, n_axes = _choose_layout(k, n, group_size, _has_elements(perm), mesh,
                                            x.sharding, qweight.sharding, x.ndim, warn=False)
     return _shardings(mesh, group_size, batch, k_axes, n_axes, _has_elements(zeros),
-                      _has_elements(bias))[1]
+                      _has_elements(bias), _has_elements(residual), _has_elements(norm_weight),
+                      swiglu)[1]
 
 
-_partitioned = custom_partitioning(_full_matmul, static_argnums=(6, 7, 8, 9))
+_partitioned = custom_partitioning(_full_matmul, static_argnums=tuple(range(8, 15)))
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer_sharding_from_operands,
@@ -435,14 +493,20 @@ _partitioned.def_partition(
 # --- entry ---------------------------------------------------------------------------
 
 
-def matmul(x, qweight, scales, zeros, perm, bias, k: int, n: int, group_size: int,
-           poison_output: bool) -> jax.Array:
-    """``x [..., k] @ W + bias [n] -> [..., n]`` on the padded shape, partitioned.
+def matmul(x, qweight, scales, zeros, perm, bias, residual, norm_weight, k: int, n: int,
+           group_size: int, poison_output: bool, norm_eps: float, norm_size: int,
+           swiglu: bool) -> jax.Array:
+    """``dtype(dtype(x' [..., k] @ W + bias [n]) + residual) -> [..., n]`` on the padded
+    shape, partitioned.
 
     ``k``, ``n`` are the padded sizes; ``zeros`` is ``[groups, n // 8]`` int32
     or ``[0, 0]`` (zero point 8), ``perm`` is ``[k]`` int32 (an act-order
-    weight: the kernel multiplies ``x[..., perm]``; such a weight is never
-    split along ``k``) or ``[0]``, ``bias`` is ``[n]`` or ``[0]`` (no bias).
+    weight: the kernel multiplies ``x'[..., perm]``; such a weight is never
+    split along ``k``) or ``[0]``, ``bias`` is ``[n]`` or ``[0]`` (no bias),
+    ``residual`` ``[..., n]`` or ``[0]``. ``x'`` is ``x``, its RMSNorm with a
+    ``norm_weight [k]`` (``norm_eps``; ``norm_size`` the logical k), or with
+    ``swiglu`` ``dtype(silu(gate) up)`` of ``x [..., 2 k] = [gate | up]``.
     ``jm.matmul`` calls this after it has checked and padded its arguments.
     """
-    return _partitioned(x, qweight, scales, zeros, perm, bias, k, n, group_size, poison_output)
+    return _partitioned(x, qweight, scales, zeros, perm, bias, residual, norm_weight, k, n,
+                        group_size, poison_output, float(norm_eps), int(norm_size), bool(swiglu))

@@ -32,6 +32,9 @@ TILE: int = rules.TILE
 #: the packed layout).
 MIN_THREAD_K: int = rules.MIN_THREAD_K
 MIN_THREAD_N: int = rules.MIN_THREAD_N
+#: Largest m (rows of x) of the CUDA decode kernel, which runs the fusions of
+#: ``jm.matmul`` as it loads x and stores y.
+DECODE_MAX_M: int = rules.DECODE_MAX_M
 
 
 def num_groups(k: int, group_size: int) -> int:
@@ -48,10 +51,11 @@ def workspace_size(m: int, n: int) -> int:
     return rules.workspace_size(m, n)
 
 
-def reduce_scratch_size(m: int, n: int, k: int, act_order: bool = False) -> int:
+def reduce_scratch_size(m: int, n: int, k: int, x_copy: bool = False) -> int:
     """float32 a CUDA call needs for ``[m, k] x [k, n]``: the partial sums handed between
-    thread blocks, and for an act-order weight room for ``x`` in the weight's row order."""
-    return rules.reduce_scratch_size(m, n, k, act_order)
+    thread blocks, and with ``x_copy`` (an act-order weight, or an RMSNorm or SwiGLU
+    prologue) room for the ``[m, k]`` x the kernels multiply."""
+    return rules.reduce_scratch_size(m, n, k, x_copy)
 
 
 def _check_ints(**values) -> None:
@@ -124,28 +128,52 @@ def check_dtypes(x_dtype, scales_dtype, bias_dtype=None) -> np.dtype:
     return x_dtype
 
 
+def check_fusion_dtypes(x_dtype, **operands) -> None:
+    """Raises ``TypeError`` unless each named dtype (``residual=...``, ``None`` for an absent
+    operand) is ``x``'s: the fused operands are read and written in the call's dtype."""
+    x_dtype = np.dtype(x_dtype)
+    for name, dtype in operands.items():
+        if dtype is not None and np.dtype(dtype) != x_dtype:
+            raise TypeError(f"{name}.dtype is {np.dtype(dtype).name} but x.dtype is "
+                            f"{x_dtype.name}; {name} must have x's dtype")
+
+
+def x_columns(k: int, swiglu: bool) -> int:
+    """Columns of ``x`` for a weight of ``k`` rows: ``k``, or ``2 k`` (``[gate | up]``) with
+    the SwiGLU prologue."""
+    return 2 * k if swiglu else k
+
+
 def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape, scales_dtype,
                    zeros_shape, zeros_dtype, perm_shape, perm_dtype, bias_shape, bias_dtype, *,
-                   k: int, n: int, group_size: int) -> None:
+                   k: int, n: int, group_size: int, residual_shape=(0,), residual_dtype=None,
+                   norm_weight_shape=(0,), norm_weight_dtype=None, swiglu: bool = False,
+                   norm_eps: float = 0.0, norm_size: int = 0) -> None:
     """Checks one kernel call on physical sizes; raises ``TypeError``/``ValueError``.
 
-    Shapes: ``x [..., k]`` float16 or bfloat16, ``qweight [k // 16, 2 n] int32``,
-    ``scales [k // group_size, n]`` (``[1, n]`` for -1) and ``bias [n]`` or
-    ``[0]`` (no bias), both in ``x``'s dtype, ``zeros [k // group_size, n //
-    8] int32`` (the scales' rows, 8 packed zero points per word) or ``[0, 0]``
-    (zero point 8), ``perm [k] int32`` (act-order: the kernel multiplies
-    ``x[..., perm]``) or ``[0]``. ``k``, ``n`` are the padded sizes the kernel
-    sees.
+    Shapes: ``x [..., k]`` float16 or bfloat16 (``[..., 2 k]``, ``[gate | up]``,
+    with ``swiglu``), ``qweight [k // 16, 2 n] int32``, ``scales [k //
+    group_size, n]`` (``[1, n]`` for -1) and ``bias [n]`` or ``[0]`` (no bias),
+    both in ``x``'s dtype, ``zeros [k // group_size, n // 8] int32`` (the
+    scales' rows, 8 packed zero points per word) or ``[0, 0]`` (zero point 8),
+    ``perm [k] int32`` (act-order: the kernel multiplies ``x[..., perm]``) or
+    ``[0]``. The fusions, in ``x``'s dtype: ``residual`` ``y``'s shape ``[...,
+    n]`` or ``[0]``; ``norm_weight [k]`` or ``[0]`` (RMSNorm over
+    ``norm_size`` columns, ``1 <= norm_size <= k``, ``norm_eps >= 0``), not with
+    ``swiglu``. ``k``, ``n`` are the padded sizes the kernel sees.
     """
     _check_ints(k=k, n=n, group_size=group_size)
     check_dtypes(x_dtype, scales_dtype, bias_dtype)
+    check_fusion_dtypes(x_dtype, residual=residual_dtype, norm_weight=norm_weight_dtype)
     if np.dtype(qweight_dtype) != np.int32:
         raise TypeError(f"qweight.dtype is {np.dtype(qweight_dtype).name}, expected int32")
     if len(x_shape) < 1:
         raise ValueError("x must have at least one dimension, [..., k]")
-    if x_shape[-1] != k:
-        raise ValueError(f"x.shape[-1] = {x_shape[-1]} does not match the weight's k = {k} "
-                         f"(x has shape {tuple(x_shape)}, the weight [k, n] = [{k}, {n}])")
+    if x_shape[-1] != x_columns(k, swiglu):
+        what = (f"2 k = {2 * k} columns ([gate | up] for swiglu)" if swiglu
+                else f"the weight's k = {k}")
+        raise ValueError(f"x.shape[-1] = {x_shape[-1]} does not match {what} (x has shape "
+                         f"{tuple(x_shape)}, the weight [k, n] = [{k}, {n}])")
     m = int(np.prod(x_shape[:-1], dtype=np.int64))
     error = rules.check_problem(m, int(n), int(k), int(group_size))
     if error:
@@ -173,3 +201,19 @@ def check_operands(x_shape, x_dtype, qweight_shape, qweight_dtype, scales_shape,
                          f"padded k) or (0,) (none)")
     if tuple(bias_shape) not in ((n,), (0,)):
         raise ValueError(f"bias.shape = {tuple(bias_shape)}, expected ({n},) or (0,) (no bias)")
+    y_shape = tuple(x_shape[:-1]) + (n,)
+    if tuple(residual_shape) not in (y_shape, (0,)):
+        raise ValueError(f"residual.shape = {tuple(residual_shape)}, expected y's shape "
+                         f"{y_shape} or (0,) (no residual)")
+    if tuple(norm_weight_shape) not in ((k,), (0,)):
+        raise ValueError(f"norm_weight.shape = {tuple(norm_weight_shape)}, expected ({k},) "
+                         f"(RMSNorm over the padded k) or (0,) (none)")
+    if tuple(norm_weight_shape) == (k,):
+        if swiglu:
+            raise ValueError("norm_weight and swiglu cannot both be given: one prologue a call")
+        _check_ints(norm_size=norm_size)
+        if not 1 <= norm_size <= k:
+            raise ValueError(f"norm_size = {norm_size} must be in [1, k = {k}] (the logical k "
+                             f"the RMSNorm's mean divides by)")
+        if not norm_eps >= 0:
+            raise ValueError(f"norm_eps = {norm_eps} must be a non-negative number")

@@ -57,6 +57,16 @@ def _cpu_unless_gpu_test(request):
 
 
 @pytest.fixture
+def gspmd():
+    """Partitions with GSPMD (the sharding rules' other path) instead of Shardy."""
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", True)
+
+
+@pytest.fixture
 def rng(request):
     # A fresh, test-specific stream: every test sees its own random data.
     seed = zlib.crc32(request.node.nodeid.encode())

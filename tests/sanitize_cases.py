@@ -1,8 +1,10 @@
 """Runs the Marlin kernel over every tile configuration, both dtypes, every
-group size, a fused bias, padded odd shapes and awkward batch sizes, and
-weights with zero points or act-order on the decode, Marlin and prefill
-kernels, for compute-sanitizer (benchmarks/gpu_run.sh, stage sanitize).
-``python sanitize_cases.py zeros`` (or ``act-order``) runs those cases alone.
+group size, a fused bias, padded odd shapes and awkward batch sizes, weights
+with zero points or act-order, and the fused RMSNorm, SwiGLU and residual, on
+the decode, Marlin and prefill kernels, for compute-sanitizer
+(benchmarks/gpu_run.sh, stage sanitize).
+``python sanitize_cases.py zeros`` (or ``act-order``, ``fusion``) runs those
+cases alone; ``fusion 16`` the fused cases at m <= 16.
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -68,6 +70,23 @@ ACT_ORDER_CASES = [
 ]
 
 
+# Fused prologue/epilogue (jm.matmul's residual, rms_norm_weight, swiglu):
+# (k, n, group_size, dtype, fusion, ms). On the decode kernel (m <= 16) the
+# RMSNorm sums rows over a cluster through distributed shared memory and SwiGLU
+# stages `up` from a row stride of 2 k; m = 20 and 64 run the prologue pass and
+# the residual pass around the Marlin and prefill kernels; act-order folds the
+# permutation into the prologue pass at every m.
+FUSION_CASES = [
+    (4096, 6144, 128, F16, "norm", [1, 3, 16, 20, 64]),
+    (4096, 28672, 128, BF16, "norm", [1, 16]),
+    (4096, 4096, 128, F16, "residual", [1, 16, 20, 64]),
+    (14336, 4096, 128, F16, "swiglu+residual", [1, 16, 20, 64]),
+    (2048, 1024, -1, BF16, "swiglu+residual", [1, 9]),
+    (1000, 576, 128, F16, "norm+residual", [1, 17, 100]),
+    (4096, 1024, 128, F16, "act-order norm+residual", [1, 16, 64]),
+]
+
+
 def imported_weight(k, n, group_size, dtype, zeros, act_order):
     kq, kz, ks, kg = jax.random.split(key, 4)
     groups = 1 if group_size == -1 else -(-k // group_size)
@@ -84,6 +103,36 @@ def run(x, w, bias):
     return _matmul(x, w, bias=bias, poison_output=True)
 
 
+@jax.jit(static_argnames="swiglu")
+def run_fused(x, w, residual, norm_weight, swiglu):
+    return _matmul(x, w, residual=residual, rms_norm_weight=norm_weight, swiglu=swiglu,
+                   poison_output=True)
+
+
+def fused_cases(max_m):
+    """Runs FUSION_CASES at m <= max_m; returns (cases, cases with a non-finite output)."""
+    total = bad = 0
+    for k, n, group_size, dtype, fusion, ms in FUSION_CASES:
+        ms = [m for m in ms if m <= max_m]
+        if fusion.startswith("act-order"):
+            w = imported_weight(k, n, group_size, dtype, False, True)
+        else:
+            w = jm.quantize(jax.random.normal(key, (k, n)), group_size=group_size, dtype=dtype)
+        swiglu = "swiglu" in fusion
+        norm_weight = (1 + 0.1 * jax.random.normal(key, (k,))).astype(dtype) \
+            if "norm" in fusion else None
+        for m in ms:
+            x = jax.random.normal(key, (m, 2 * k if swiglu else k), dtype)
+            residual = jax.random.normal(key, (m, n), dtype) if "residual" in fusion else None
+            y = jax.block_until_ready(run_fused(x, w, residual, norm_weight, swiglu))
+            finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
+            bad += not finite
+            total += 1
+            print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name} {fusion} m={m}: "
+                  f"{'ok' if finite else 'NOT FINITE'}", flush=True)
+    return total, bad
+
+
 key = jax.random.key(0)
 bad = 0
 total = 0
@@ -91,6 +140,9 @@ total = 0
 # the first), "act-order" without them.
 KINDS = {"sym": CASES, "zeros": ZERO_POINT_CASES, "act-order": ACT_ORDER_CASES}
 mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+if mode in ("all", "fusion"):
+    # `fusion 16`: the decode kernel's cases alone (racecheck is slow).
+    total, bad = fused_cases(int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 30)
 cases = [(kind, case) for kind, kind_cases in KINDS.items() if mode in ("all", kind)
          for case in kind_cases]
 for kind, (k, n, group_size, dtype, with_bias, ms) in cases:

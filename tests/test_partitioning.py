@@ -302,15 +302,6 @@ def test_misaligned_device_put_gathers_with_warning(rng, k, n, q_spec, s_spec, m
         np.testing.assert_array_equal(np.asarray(y), expected)
 
 
-@pytest.fixture
-def gspmd():
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
-
-
 @pytest.mark.parametrize("layout", ["data-x-n", "data-x-k"])
 def test_gspmd_partitioner(rng, mesh, gspmd, layout):
     x_spec, w_spec, y_spec, k_sharded = LAYOUTS[layout]

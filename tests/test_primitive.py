@@ -731,7 +731,10 @@ def test_handler_rechecks_buffers(rng):
                    jax.ShapeDtypeStruct((workspace,), jnp.int32),
                    jax.ShapeDtypeStruct((scratch,), jnp.float32))
         f = jax.ffi.ffi_call("jax_marlin_matmul", results)
-        return jax.block_until_ready(f(*args, group_size=group_size, poison_output=False))
+        # No residual, no prologue (tests/test_fusion.py checks those operands).
+        return jax.block_until_ready(f(*args, no_bias, no_bias, group_size=group_size,
+                                       poison_output=False, norm_eps=np.float32(0),
+                                       norm_size=0, swiglu=False))
 
     y, _, _ = call(x, w.qweight, w.scales, no_zeros, no_perm, no_bias)  # the consistent call runs
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jm.matmul(x, w)))
@@ -778,7 +781,9 @@ def test_handler_clamps_perm(rng, m, platform):
                jax.ShapeDtypeStruct((jm.shapes.reduce_scratch_size(m, n, k, True),), jnp.float32))
     f = jax.ffi.ffi_call("jax_marlin_matmul", results)
     assert x.devices() == {jax.devices(platform)[0]}
-    y, _, _ = f(x, w.qweight, w.scales, jnp.zeros((0, 0), jnp.int32), jnp.asarray(perm),
-                jnp.zeros((0,), jnp.float16), group_size=128, poison_output=True)
+    none = jnp.zeros((0,), jnp.float16)
+    y, _, _ = f(x, w.qweight, w.scales, jnp.zeros((0, 0), jnp.int32), jnp.asarray(perm), none,
+                none, none, group_size=128, poison_output=True, norm_eps=np.float32(0),
+                norm_size=0, swiglu=False)
     expected = jm.matmul(x[:, np.clip(perm, 0, k - 1)], w)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
