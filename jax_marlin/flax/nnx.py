@@ -172,22 +172,35 @@ class MarlinLinear(nnx.Module):
             rngs=nnx.Rngs(0),
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, *, residual: jax.Array | None = None,
+                 rms_norm_weight: jax.Array | None = None, rms_norm_eps: float = 1e-6,
+                 swiglu: bool = False) -> jax.Array:
         """``inputs [..., in_features]`` float -> ``[..., out_features]`` in ``dtype``.
 
         ``inputs`` and the bias are rounded to the weight's dtype (float16:
         values beyond ±65504 become inf). Differentiable with respect to
         ``inputs`` and the bias; the weight is frozen (a ``QuantizedWeight``,
         which ``nnx.grad`` over ``nnx.Param`` skips).
+
+        ``residual [..., out_features]``, ``rms_norm_weight [in_features]``,
+        ``rms_norm_eps`` and ``swiglu`` (``inputs [..., 2 in_features]``, gate
+        then up) are :func:`jax_marlin.matmul`'s fusions, run in the weight's
+        dtype like ``inputs`` (the residual too: the sum is rounded to it
+        before the cast to ``dtype``).
         """
         x = jnp.asarray(inputs)
         if not jnp.issubdtype(x.dtype, jnp.floating):
+            width = f"2 * {self.in_features}" if swiglu else self.in_features
             raise TypeError(f"inputs.dtype is {x.dtype}; MarlinLinear takes floating-point "
-                            f"inputs [..., {self.in_features}]")
+                            f"inputs [..., {width}]")
         out_dtype = x.dtype if self.dtype is None else jnp.dtype(self.dtype)
         w = self.weight.get_value()
         bias = None if self.bias is None else self.bias[...].astype(w.dtype)
-        return matmul(x.astype(w.dtype), w, bias=bias).astype(out_dtype)
+        residual, rms_norm_weight = (None if a is None else jnp.asarray(a).astype(w.dtype)
+                                     for a in (residual, rms_norm_weight))
+        y = matmul(x.astype(w.dtype), w, bias=bias, residual=residual,
+                   rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps, swiglu=swiglu)
+        return y.astype(out_dtype)
 
 
 # The configuration two layers must share to become one (besides their kind).

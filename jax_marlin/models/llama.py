@@ -17,6 +17,10 @@ one ``qkv`` layer and gate, up into ``gate_up`` (4 matmuls a block, not 7):
     quantize_model(model)      # or gptq_blocks, or load_quantized: on q, k, v, gate, up
     fuse_projections(model)    # float or 4-bit, in place; the same logits
 
+With 4-bit weights in float16 or bfloat16, the fused block also runs its
+RMSNorms, SwiGLU and residual adds inside the four matmuls (``Block.fused``;
+the logits then move by float32 rounding).
+
 RoPE rotates the two halves of each head (``x[:d/2]``, ``x[d/2:]``), the
 Hugging Face layout of the Q and K projection rows; checkpoints that store
 them in the interleaved (GPT-J) layout are permuted on loading
@@ -32,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_marlin.flax.nnx import concatenate_linears
+from jax_marlin.flax.nnx import MarlinLinear, concatenate_linears
 
 __all__ = ["KVCache", "Llama", "LlamaConfig", "fuse_projections"]
 
@@ -118,27 +122,36 @@ class Attention(nnx.Module):
             self.qkv = concatenate_linears([self.q, self.k, self.v])
             self.q = self.k = self.v = None
 
-    def _project(self, x):
+    def _project(self, x, norm=None):
         """``x [b, s, hidden]`` -> ``q [b, s, heads hd]``, ``k``, ``v [b, s, kv_heads hd]``."""
-        if self.qkv is None:
+        if norm is not None:  # a joined MarlinLinear: the RMSNorm inside its matmul
+            qkv = self.qkv(x, rms_norm_weight=norm.scale[...], rms_norm_eps=norm.epsilon)
+        elif self.qkv is None:
             return self.q(x), self.k(x), self.v(x)
+        else:
+            qkv = self.qkv(x)
         c = self.config
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return jnp.split(self.qkv(x), [q_width, q_width + kv_width], axis=-1)
+        return jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
 
-    def __call__(self, x, pos, cache_k=None, cache_v=None):
+    def __call__(self, x, pos, cache_k=None, cache_v=None, *, norm=None, residual=None):
         """``x [b, s, hidden]`` at positions ``pos .. pos + s - 1``.
 
         Without a cache the keys are this ``x``'s own (causal). With one
         (``[b, kv_heads, max_len, head_dim]``), this ``x``'s keys and values are
         written at ``pos`` and the queries attend to positions ``0 .. pos + i``.
         Returns ``(y [b, s, hidden], cache_k, cache_v)``.
+
+        ``norm`` (an ``nnx.RMSNorm``) and ``residual [b, s, hidden]``: the
+        fused block (``Block``, 4-bit joined projections only): ``x`` is then
+        the un-normalized stream, normalized inside the ``qkv`` matmul, and
+        ``y`` includes ``residual``, added inside the ``o`` matmul.
         """
         c = self.config
         b, s, _ = x.shape
         positions = pos + jnp.arange(s)
         heads = lambda t, h: t.reshape(b, s, h, c.head_dim).transpose(0, 2, 1, 3)  # [b, h, s, d]
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, norm)
         q = rope(heads(q, c.num_heads), positions, c.rope_theta)
         k = rope(heads(k, c.num_kv_heads), positions, c.rope_theta).astype(x.dtype)
         v = heads(v, c.num_kv_heads)
@@ -160,8 +173,10 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         probs = probs.astype(v.dtype).reshape(b, c.num_kv_heads, rep * s, -1)
         out = jnp.einsum("bgqt,bgtd->bgqd", probs, v, preferred_element_type=jnp.float32)
-        out = out.reshape(b, c.num_heads, s, c.head_dim).transpose(0, 2, 1, 3)
-        return self.o(out.reshape(b, s, -1).astype(x.dtype)), cache_k, cache_v
+        out = out.reshape(b, c.num_heads, s, c.head_dim).transpose(0, 2, 1, 3).reshape(b, s, -1)
+        out = out.astype(x.dtype)
+        y = self.o(out) if residual is None else self.o(out, residual=residual)
+        return y, cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -179,7 +194,17 @@ class MLP(nnx.Module):
             self.gate_up = concatenate_linears([self.gate, self.up])
             self.gate = self.up = None
 
-    def __call__(self, x):
+    def __call__(self, x, *, norm=None, residual=None):
+        """``x [..., hidden]`` -> ``[..., hidden]``.
+
+        ``norm`` and ``residual``: the fused block (``Block``, 4-bit joined
+        ``gate_up`` only): ``x`` is normalized inside the ``gate_up`` matmul,
+        SwiGLU runs inside ``down``'s (on ``[gate | up]``, in float32), and
+        ``residual`` is added to its output.
+        """
+        if norm is not None:
+            gate_up = self.gate_up(x, rms_norm_weight=norm.scale[...], rms_norm_eps=norm.epsilon)
+            return self.down(gate_up, swiglu=True, residual=residual)
         if self.gate_up is None:
             gate, up = self.gate(x), self.up(x)
         else:
@@ -196,9 +221,32 @@ class Block(nnx.Module):
         self.attn = Attention(config, dtype, rngs)
         self.mlp_norm = nnx.RMSNorm(config.hidden_size, **norm)
         self.mlp = MLP(config, dtype, rngs)
+        # fuse_projections(elementwise=True) sets it: see fused().
+        self.fuse_elementwise = False
+
+    def fused(self, x) -> bool:
+        """Whether this call runs the norms, SwiGLU and residual adds inside the matmuls.
+
+        Only where the kernel can and nothing changes but float32 rounding:
+        ``fuse_elementwise`` set, the four projections ``qkv``, ``o``,
+        ``gate_up`` and ``down`` 4-bit (``MarlinLinear``) in ``x``'s dtype and
+        returning it, and both norms scaled. Otherwise the block runs each
+        step as its own op (a float32 model with 4-bit weights rounds its
+        residual stream differently than the kernel would).
+        """
+        layers = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
+        return (self.fuse_elementwise
+                and all(isinstance(layer, MarlinLinear)
+                        and layer.weight.get_value().dtype == x.dtype
+                        and jnp.dtype(layer.dtype or x.dtype) == x.dtype for layer in layers)
+                and self.attn_norm.scale is not None and self.mlp_norm.scale is not None)
 
     def __call__(self, x, pos=0, cache_k=None, cache_v=None):
         """``x [b, s, hidden]`` -> ``(x [b, s, hidden], cache_k, cache_v)``."""
+        if self.fused(x):  # four kernel calls, and the attention between them
+            x, cache_k, cache_v = self.attn(x, pos, cache_k, cache_v, norm=self.attn_norm,
+                                            residual=x)
+            return self.mlp(x, norm=self.mlp_norm, residual=x), cache_k, cache_v
         y, cache_k, cache_v = self.attn(self.attn_norm(x), pos, cache_k, cache_v)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
@@ -246,7 +294,7 @@ class Llama(nnx.Module):
                                             else KVCache(tuple(new_k), tuple(new_v)))
 
 
-def fuse_projections(model: Llama) -> Llama:
+def fuse_projections(model: Llama, *, elementwise: bool = True) -> Llama:
     """Joins each block's q, k, v projections into one ``qkv`` layer and gate, up into ``gate_up``.
 
     In place; returns ``model``. A decode step then runs 4 matmuls per block
@@ -261,8 +309,18 @@ def fuse_projections(model: Llama) -> Llama:
     then holds ``qkv`` and ``gate_up`` in place of the parts, so a checkpoint
     of a fused model restores into a fused one. Fusing a fused block does
     nothing.
+
+    ``elementwise``: with 4-bit projections in the model's float16 or
+    bfloat16, each block also runs its two RMSNorms, SwiGLU and residual adds
+    inside the four matmuls (``jax_marlin.matmul``'s fusions; ``Block.fused``
+    says when): a decode step then launches four kernels a block plus
+    attention, in place of a dozen. The logits change by float32 rounding
+    only (the norm's scale is applied to ``x r`` rather than multiplied into
+    ``r``; SwiGLU is computed in float32 and rounded once).
+    ``elementwise=False`` keeps every op as the float model has it.
     """
     for block in model.layers:
         block.attn.fuse()
         block.mlp.fuse()
+        block.fuse_elementwise = bool(elementwise)
     return model
