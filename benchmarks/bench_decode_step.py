@@ -5,8 +5,11 @@ Each of the 32 blocks runs qkv (4096 x 6144), o (4096 x 4096), gate_up
 before qkv and gate_up, the residual adds and SwiGLU between them (attention
 itself is left out: it is the same for both weight formats). The same step
 runs with float16 weights (``x @ w``) and with jax_marlin 4-bit weights
-(``jm.matmul``, group 128). Every call depends on the one before, as in a
-real step, so this is what a model sees, launch gaps included.
+(``jm.matmul``, group 128), and with 4-bit weights and the fused forms of
+``jm.matmul`` (``fused``: RMSNorm inside qkv and gate_up, the residual adds
+inside o and down, SwiGLU inside down; only the slice of q stays an XLA
+op). Every call depends on the one before, as in a real step, so this is
+what a model sees, launch gaps included.
 
 Method: the jitted step is called ``--calls`` times after two warm-up calls,
 each call blocked on, and the median wall time reported (the step takes
@@ -52,9 +55,24 @@ def block(x, mm, w):
     return x + mm(act.astype(x.dtype), w["down"])
 
 
+def block_fused(x, w):
+    """``block`` with jm.matmul's fusions: four custom calls and the slice."""
+    ones = jnp.ones((HIDDEN,), x.dtype)  # block's RMSNorm has no weight
+    h = jm.matmul(x, w["qkv"], rms_norm_weight=ones, rms_norm_eps=1e-5)
+    x = jm.matmul(h[:, :HIDDEN], w["o"], residual=x)
+    gate_up = jm.matmul(x, w["gate_up"], rms_norm_weight=ones, rms_norm_eps=1e-5)
+    return jm.matmul(gate_up, w["down"], swiglu=True, residual=x)
+
+
 def step(x, weights, mm):
     for w in weights:
         x = block(x, mm, w)
+    return x
+
+
+def step_fused(x, weights):
+    for w in weights:
+        x = block_fused(x, w)
     return x
 
 
@@ -119,22 +137,33 @@ def main() -> None:
           f"jax_marlin g128 {int4_bytes / 1e9:.2f} GB")
     f_fp16 = jax.jit(lambda x, w: step(x, w, lambda a, b: a @ b))
     f_int4 = jax.jit(lambda x, w: step(x, w, jm.matmul))
+    f_fused = jax.jit(step_fused)
     rows = []
     print(f"{'m':>4} {'float16 ms':>11} {'floor':>7} {'jax_marlin ms':>14} {'floor':>7} {'speedup':>8}"
-          f" | pipelined: {'float16 ms':>10} {'jax_marlin ms':>13} {'speedup':>8}")
+          f" | pipelined: {'float16 ms':>10} {'jax_marlin ms':>13} {'speedup':>8}"
+          f" | fused: {'ms':>7} {'speedup':>8} {'pipelined':>9} {'speedup':>8} {'max diff':>8}")
     for m in args.ms:
         x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
         t16 = timed(f_fp16, x, fp16, calls=args.calls)
         t4 = timed(f_int4, x, int4, calls=args.calls)
         p16 = pipelined(f_fp16, x, fp16, calls=args.calls)
         p4 = pipelined(f_int4, x, int4, calls=args.calls)
+        tf = timed(f_fused, x, int4, calls=args.calls)
+        pf = pipelined(f_fused, x, int4, calls=args.calls)
+        # The fused step computes the same block up to roundings: its result
+        # against the unfused 4-bit step's, relative to that result's size.
+        y4, yf = f_int4(x, int4).astype(jnp.float32), f_fused(x, int4).astype(jnp.float32)
+        diff = float(jnp.max(jnp.abs(yf - y4)) / jnp.max(jnp.abs(y4)))
         floor16 = fp16_bytes / tbps / 1e9
         floor4 = int4_bytes / tbps / 1e9
         print(f"{m:>4} {t16:>11.3f} {floor16:>7.3f} {t4:>14.3f} {floor4:>7.3f} {t16 / t4:>7.2f}x"
-              f" | pipelined: {p16:>10.3f} {p4:>13.3f} {p16 / p4:>7.2f}x")
+              f" | pipelined: {p16:>10.3f} {p4:>13.3f} {p16 / p4:>7.2f}x"
+              f" | fused: {tf:>7.3f} {t16 / tf:>7.2f}x {pf:>9.3f} {p16 / pf:>7.2f}x {diff:>8.1e}")
         rows.append(dict(m=m, fp16_ms=t16, marlin_ms=t4, fp16_floor_ms=floor16,
                          marlin_floor_ms=floor4, speedup=t16 / t4, fp16_pipelined_ms=p16,
-                         marlin_pipelined_ms=p4, pipelined_speedup=p16 / p4))
+                         marlin_pipelined_ms=p4, pipelined_speedup=p16 / p4, fused_ms=tf,
+                         fused_speedup=t16 / tf, fused_pipelined_ms=pf,
+                         fused_pipelined_speedup=p16 / pf, fused_max_rel_diff=diff))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
