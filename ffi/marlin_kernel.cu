@@ -95,6 +95,15 @@ __global__ void __launch_bounds__(kPermuteThreads)
   }
 }
 
+// The row passes (the permutation, the prologue) split each row of k columns
+// into runs of this many (a multiple of 8) for about two blocks per SM in all.
+int64_t row_split_cols(int64_t m, int64_t k, const DeviceInfo &info) {
+  int64_t splits = (2 * info.sms + m - 1) / m;
+  const int64_t most = k / kPermuteMinSplitCols > 1 ? k / kPermuteMinSplitCols : 1;
+  if (splits > most) splits = most;
+  return (k / 8 + splits - 1) / splits * 8;
+}
+
 std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_t k,
                     const DeviceInfo &info, int device, cudaStream_t stream) {
   const int64_t row_bytes = 2 * k;
@@ -108,12 +117,8 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
     });
     if (attr_error[device]) return cuda_error("cudaFuncSetAttribute", attr_error[device]);
   }
-  // About two blocks per SM in all, each writing whole 8-column runs.
-  int64_t splits = (2 * info.sms + m - 1) / m;
-  const int64_t most = k / kPermuteMinSplitCols > 1 ? k / kPermuteMinSplitCols : 1;
-  if (splits > most) splits = most;
-  const int64_t split_cols = (k / 8 + splits - 1) / splits * 8;
-  splits = (k + split_cols - 1) / split_cols;
+  const int64_t split_cols = row_split_cols(m, k, info);
+  const int64_t splits = (k + split_cols - 1) / split_cols;
   auto *kernel = staged ? permute_columns<true> : permute_columns<false>;
   kernel<<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, staged ? size_t(row_bytes) : 0,
            stream>>>(static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
@@ -203,12 +208,8 @@ __global__ void add_residual(scalar_t *C, const scalar_t *residual, int64_t coun
 template <typename scalar_t>
 std::string run_prologue(const void *A, const Fusion &f, const int *perm, void *out, int64_t m,
                          int64_t k, const DeviceInfo &info, cudaStream_t stream) {
-  // About two blocks per SM in all, as the permutation pass.
-  int64_t splits = (2 * info.sms + m - 1) / m;
-  const int64_t most = k / kPermuteMinSplitCols > 1 ? k / kPermuteMinSplitCols : 1;
-  if (splits > most) splits = most;
-  const int64_t split_cols = (k / 8 + splits - 1) / splits * 8;
-  splits = (k + split_cols - 1) / split_cols;
+  const int64_t split_cols = row_split_cols(m, k, info);
+  const int64_t splits = (k + split_cols - 1) / split_cols;
   prologue_rows<scalar_t><<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, 0, stream>>>(
       static_cast<const scalar_t *>(A), static_cast<const scalar_t *>(f.norm_weight), f.swiglu,
       perm, static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps,
@@ -257,8 +258,6 @@ std::string launch_zeros(int group_blocks, const ThreadConfig &c, int thread_m_b
   return p.zeros ? launch_group<scalar_t, true>(group_blocks, c, thread_m_blocks, p)
                  : launch_group<scalar_t, false>(group_blocks, c, thread_m_blocks, p);
 }
-
-
 
 // The product, x' given (the prologue done unless `inside` holds it).
 std::string matmul_product(const void *A, const void *B, const void *s, const void *zeros,
