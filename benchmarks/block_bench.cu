@@ -23,13 +23,17 @@
 //            4096) this is the CUDA handler's own prologue and add passes,
 //            which jm.matmul's lowering replaces by XLA's fused ops.
 //
+// With --layers, each projection alone as well, plain and in each fused
+// form, 32 calls of it in a graph (µs per call): where a fused form costs
+// more or less than the plain call.
+//
 // Timed with CUDA events around graph replays (weights in 4 rotated sets,
 // 440 MB, so they come from HBM). Prints µs per block and the weight bytes'
 // rate in each form. Built like decode_bench (benchmarks/decode_run.sh):
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/block_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu ffi/prefill_sm90.cu <the Marlin instance objects> -o block_bench
-//   ./block_bench [--reps N] m ...
+//   ./block_bench [--reps N] [--layers] m ...
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -138,13 +142,15 @@ struct Layer {
 
 int main(int argc, char **argv) {
   int reps = 10;
+  bool per_layer = false;
   std::vector<int> ms;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (a == "--layers") per_layer = true;
     else if (std::atoi(a.c_str()) > 0) ms.push_back(std::atoi(a.c_str()));
     else {
-      std::fprintf(stderr, "usage: block_bench [--reps N] m ...\n");
+      std::fprintf(stderr, "usage: block_bench [--reps N] [--layers] m ...\n");
       return 2;
     }
   }
@@ -320,6 +326,36 @@ int main(int argc, char **argv) {
       for (int f = 0; f < 6; ++f) std::printf(" %10.2f", t[round][f]);
       std::printf(" %9.1f%% %9.2f %9.2f\n", 100 * (1 - t[round][5] / t[round][0]),
                   block_bytes / (t[round][0] * 1e-6) / 1e12, block_bytes / (t[round][5] * 1e-6) / 1e12);
+    }
+    if (per_layer) {
+      // Each projection alone, 32 calls of it in a graph, plain and fused.
+      marlin::Fusion norm, residual, swiglu_only, swiglu_add;
+      norm.norm_weight = gamma, norm.norm_eps = 1e-5f, norm.norm_size = kHidden;
+      residual.residual = down;
+      swiglu_only.swiglu = true;
+      swiglu_add.swiglu = true, swiglu_add.residual = down;
+      struct Form {
+        const char *name;
+        int layer;
+        const half *in;
+        half *out;
+        const marlin::Fusion *fusion;
+      };
+      const marlin::Fusion plain;
+      const Form layer_forms[] = {
+          {"qkv", 0, xn, qkv, &plain},         {"qkv rms_norm", 0, x, qkv, &norm},
+          {"o", 1, h, o, &plain},              {"o residual", 1, h, x2, &residual},
+          {"gate_up", 2, xn, gu, &plain},      {"gate_up rms_norm", 2, x, gu, &norm},
+          {"down", 3, act, o, &plain},         {"down swiglu", 3, gu, o, &swiglu_only},
+          {"down residual", 3, act, x2, &residual}, {"down swiglu residual", 3, gu, x2, &swiglu_add},
+      };
+      for (const Form &f : layer_forms) {
+        float us[2];
+        for (float &u : us)
+          u = per_block([&](int b) { mm(f.layer, b % kCopies, f.in, f.out, *f.fusion); });
+        std::printf("# layer m=%-3d %-22s %8.2f %8.2f us per call\n", m, f.name, us[0], us[1]);
+      }
+      check(cudaGetLastError(), "launch");
     }
     std::fflush(stdout);
     for (void *p : {(void *)x, (void *)xn, (void *)qkv, (void *)h, (void *)o, (void *)gu,

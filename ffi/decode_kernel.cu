@@ -127,6 +127,20 @@ __device__ inline int load_stream_word(const int *p, bool pred) {
   return v;
 }
 
+// A 16-byte load through L1, under a predicate written into the asm (as
+// load_stream): for operands the previous kernel wrote (read-only here).
+__device__ inline int4 load_cached(const int4 *p, bool pred) {
+  int4 v;
+  asm volatile("{\n"
+               "  .reg .pred q;\n"
+               "  setp.ne.b32 q, %5, 0;\n"
+               "  @q ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+               "}\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "r"(int(pred)));
+  return v;
+}
+
 __device__ inline void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
@@ -148,7 +162,19 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
 //   SwiGLU:  x' = dtype(silu(gate) up), up staged as x, gate read from
 //            global memory (L2: the previous kernel has just written it).
 // The weights already in flight keep streaming meanwhile.
-template <typename scalar_t>
+//
+// SwiGLU's gates: a thread's are requested together, kGateBatch rows at a
+// time, before any is used (8; in the long-stream schedule, whose two
+// windows of weights leave no registers for them at 128, one at a time,
+// all prefetched into L1 first), and its exp and division are the GPU's
+// fast approximations (__expf, __fdividef: a few float32 ulps, far below
+// the result's 16-bit rounding). Every column of blocks of the grid computes
+// SwiGLU for its k range, 8 elements a thread and row, so the exact library
+// calls cost real time. With the loads one row at a time and expf and an
+// IEEE division, a SwiGLU call (14336 x 4096) cost 2.3 / 6.1 / 11.8 us more
+// than the plain call at m = 1 / 4 / 8, against 1.5 / 1.9 / 2.8 us now
+// (H100, benchmarks/NOTES.md).
+template <typename scalar_t, int kGateBatch>
 __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int kb0, int k_block,
                          cooperative_groups::cluster_group &cluster) {
   using Scalar = ScalarType<scalar_t>;
@@ -193,10 +219,7 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
   }
   // Each thread owns one column c of 8 elements (or a few, for long ranges)
   // and every `lanes`-th row of it: the norm weight of c is loaded once, and
-  // the gates of a thread's rows are prefetched together, so that a thread
-  // waits for global memory (L2) about once, not once per row (the first
-  // form walked the rows one element at a time, a load and its wait each:
-  // at m = 16 it made the fused calls slower than the separate kernels).
+  // a thread waits for its gates about once, not once per row.
   const int lanes = max(1, int(blockDim.x) / row_int4);
   const int4 *w4 = reinterpret_cast<const int4 *>(p.norm_weight) + kb0 / 8;
   const int4 *g4 = p.A + kb0 / 8;
@@ -212,17 +235,31 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
         smem[r * xs_stride + c] = narrow(x);
       }
     } else {
-      // All of the thread's gates are requested into L1 first (a prefetch
-      // holds no register: a batch of loads spilled at 128 registers).
-      for (int r = threadIdx.x % lanes; r < p.m; r += lanes)
-        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(g4 + int64_t(r) * (p.k / 4) + c));
-      for (int r = threadIdx.x % lanes; r < p.m; r += lanes) {
-        float x[8], g[8];
-        widen(smem[r * xs_stride + c], x);
-        widen(g4[int64_t(r) * (p.k / 4) + c], g);
+      // With one gate at a time (where registers are short), all of them
+      // are requested into L1 first: a prefetch holds no register.
+      if constexpr (kGateBatch == 1)
+        for (int r = threadIdx.x % lanes; r < p.m; r += lanes)
+          asm volatile("prefetch.global.L1 [%0];\n" ::"l"(g4 + int64_t(r) * (p.k / 4) + c));
+      for (int r0 = threadIdx.x % lanes; r0 < p.m; r0 += kGateBatch * lanes) {
+        int4 g[kGateBatch];
 #pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = g[e] / (1.f + expf(-g[e])) * x[e];
-        smem[r * xs_stride + c] = narrow(x);
+        for (int b = 0; b < kGateBatch; b++) {
+          const int r = r0 + b * lanes;
+          g[b] = load_cached(g4 + int64_t(r < p.m ? r : 0) * (p.k / 4) + c, r < p.m);
+        }
+#pragma unroll
+        for (int b = 0; b < kGateBatch; b++) {
+          const int r = r0 + b * lanes;
+          if (r < p.m) {
+            float x[8], gf[8];
+            widen(smem[r * xs_stride + c], x);
+            widen(g[b], gf);
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+              x[e] = __fdividef(gf[e], 1.f + __expf(-gf[e])) * x[e];
+            smem[r * xs_stride + c] = narrow(x);
+          }
+        }
       }
     }
   }
@@ -232,11 +269,16 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
 // kStream: the schedule for long streams (decode_stream above), else the one
 // for short ones. kFused: the instance that runs the fusions (p.residual,
 // p.norm_weight, p.swiglu); the plain instances are compiled without them.
-// The prologue runs with both windows' weights in flight, which raised the
-// long-stream schedule's registers from 128 to 147 a thread (3 blocks of 4
-// warps per SM instead of 4): the fused instances at m <= 8 are held to 128
-// where the plain ones fit in it (g128, g-1, g64 without zero points; the
-// g64 ones spill 4 bytes there).
+//
+// Registers decide how many blocks share an SM, and so how many weight bytes
+// are in flight: at 128 a thread two blocks of 8 warps fit, above it one.
+// The instances at m <= 8 that fit in 128 (g128, g-1, g64 without zero
+// points) are held to it, plain and fused alike. Left to itself ptxas (nvcc
+// 13.0) gave the plain ones 141-155 and the fused ones (the prologue runs
+// with both windows' weights in flight) up to 147, one block per SM: plain
+// calls at m <= 8 then took 25-35% longer in a CUDA graph (H200,
+// benchmarks/NOTES.md). The others (g32, g64 with zero points, m > 8) need
+// 157-221 registers and run one block per SM.
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
 constexpr bool fits_128() {
   return m_halves == 1 &&
@@ -244,8 +286,8 @@ constexpr bool fits_128() {
 }
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
           bool kFused>
-__global__ void __launch_bounds__(
-    32 * kMaxWarps, (kFused && fits_128<scalar_t, group_blocks, m_halves, has_zeros>()) ? 2 : 1)
+__global__ void __launch_bounds__(32 * kMaxWarps,
+                                  fits_128<scalar_t, group_blocks, m_halves, has_zeros>() ? 2 : 1)
     decode_kernel(const DecodeParams p) {
   namespace cg = cooperative_groups;
   using Scalar = ScalarType<scalar_t>;
@@ -404,7 +446,8 @@ __global__ void __launch_bounds__(
   cp_async_wait<0>();
   __syncthreads();
   if constexpr (kFused)
-    if (p.norm_weight || p.swiglu) prologue<scalar_t>(p, smem, xs_stride, kb0, k_block, cluster);
+    if (p.norm_weight || p.swiglu)
+      prologue<scalar_t, kStream ? 1 : 8>(p, smem, xs_stride, kb0, k_block, cluster);
 
   const scalar_t *xs = reinterpret_cast<const scalar_t *>(smem);
   // ldmatrix row address of this lane: matrix lane / 8 (k offset 8 (lane / 8)
