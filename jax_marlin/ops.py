@@ -51,14 +51,15 @@ def matmul(x, w: MarlinWeight, bias=None, *, residual=None, rms_norm_weight=None
     Without a prologue ``x' = x``; with an act-order weight the prologue runs
     in ``x``'s own column order. Each result equals the unfused composition
     (``jax_marlin.fusion`` states it in ``jax.numpy``) up to the float32
-    rounding of the sum of squares and of ``exp``. Why: a decode step spends
-    about a fifth of its time in XLA's small elementwise kernels between the
-    projections; on the Hopper decode path (m <= 16) the decode kernel runs the
-    prologue as it loads ``x`` and adds the residual as it stores ``y``, one
-    kernel instead of three. Where the decode kernel does not take the call
-    (m > 16, m > 8 with k > 4096, act-order with a prologue) the fusions
-    lower to ``jax.numpy`` ops around the plain call, which XLA fuses with
-    its neighbours (``jax_marlin.primitive``, measured there).
+    rounding of the sum of squares and of SwiGLU's ``exp`` and division (the
+    decode kernel uses the GPU's fast ones: a few float32 ulps). Why: a
+    decode step spends about a fifth of its time in XLA's small elementwise
+    kernels between the projections; on Hopper at m <= 8 the decode kernel
+    runs the prologue as it loads ``x`` and adds the residual as it stores
+    ``y``, one kernel instead of three. Elsewhere (m > 8, act-order with a
+    prologue) the fusions lower to ``jax.numpy`` ops around the plain call,
+    which XLA fuses with its neighbours (``jax_marlin.primitive``, measured
+    there).
 
     Args:
       x: ``[..., k]`` float16 or bfloat16 activations, the dtype of the

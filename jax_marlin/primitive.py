@@ -77,6 +77,10 @@ def _lowering(ctx, x, qweight, scales, zeros, perm, bias, residual, norm_weight,
     return [y]
 
 
+# The largest m at which the decode kernel runs jm.matmul's fusions (_cuda_lowering).
+FUSED_MAX_M = 8
+
+
 def _composed(x, qweight, scales, zeros, perm, bias, residual, norm_weight, *, norm_eps,
               norm_size, swiglu, **params):
     """The fused call as ``jax.numpy`` ops around the plain one (``jax_marlin.fusion``)."""
@@ -98,21 +102,21 @@ def _cuda_lowering(ctx, x, qweight, scales, zeros, perm, bias, residual, norm_we
     m = int(np.prod(ctx.avals_in[0].shape[:-1], dtype=np.int64))
     prologue = ctx.avals_in[7].shape[0] > 0 or params["swiglu"]
     fused = prologue or ctx.avals_in[6].shape[0] > 0
-    # The decode kernel (m <= DECODE_MAX_M, x in its own order) runs the
+    # The decode kernel (m <= FUSED_MAX_M, x in its own order) runs the
     # fusions as it loads x and stores y. Around the other kernels the CUDA
     # handler would run them as passes of their own (a kernel before, one
     # after); written as jnp ops here instead, XLA fuses them into the
     # elementwise kernels next to the call. Measured on a Llama-3-8B decode
     # step (H100, benchmarks/bench_decode_step.py): at m = 64 4.30 ms with
     # the jnp ops against 4.53 unfused, where the passes had taken 5.29
-    # against 4.55 (an earlier run of the same step). The decode kernel
-    # leaves m > 8 with k > 4096 to the Marlin kernel (choose_decode_config
-    # in ffi/decode_kernel.cu, unless its table of measured layers says
-    # otherwise): at m = 16, down (14336 x 4096) with the passes made the
-    # step 3.63 ms against 3.16 unfused, so those go to jnp ops too.
-    marlin_kernel_takes = m > 8 and params["k"] > 4096
-    if fused and (m > shapes.DECODE_MAX_M or marlin_kernel_takes
-                  or (prologue and ctx.avals_in[4].shape[0] > 0)):
+    # against 4.55 (an earlier run of the same step). At m = 9..16 the fused
+    # calls go to jnp ops too: there the decode kernel's RMSNorm prologue
+    # cost 3.3-3.8 us per call more than the plain call (H100, block_bench
+    # --layers) and the fused step was the slower one (2.81 against 2.67 ms
+    # pipelined on an H100; 2.68 against 2.62 on an H200), and the Marlin
+    # kernel takes m > 8 with k > 4096 anyway (choose_decode_config in
+    # ffi/decode_kernel.cu).
+    if fused and (m > FUSED_MAX_M or (prologue and ctx.avals_in[4].shape[0] > 0)):
         return mlir.lower_fun(_composed, multiple_results=False)(ctx, *operands, **params)
     return _lowering(ctx, *operands, **params)
 

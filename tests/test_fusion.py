@@ -5,7 +5,7 @@ to the dtype as the contract says, then the product in float64), against the
 unfused composition ``jm.matmul(prologue(x), w, bias) + residual``, and
 through padding, act-order and zero points, jit, vmap, autodiff, sharding on 8
 host devices, the argument checks and the FFI handler's re-checks. Tests
-marked ``gpu`` run the CUDA kernels (the decode kernel's fusions at m <= 16,
+marked ``gpu`` run the CUDA kernels (the decode kernel's fusions at m <= 8,
 the jnp ops around the others, and the handler's own passes when it is called
 directly) with NaN-poisoned outputs.
 """
@@ -613,10 +613,11 @@ GPU_TOLS = {np.dtype(np.float16): 1e-3 + FP16_U, np.dtype(jnp.bfloat16): 8e-3 + 
 # x', whose elements may differ by an ulp (the order of the sum of squares,
 # exp) and, on the paths that run a prologue pass, the product's own order.
 GPU_NEAR = {dt: u for dt, u in U.items()}
-# m <= 16: the decode kernel runs the fusions itself; 17..63 the Marlin
-# kernel and >= 64 the prefill kernel (on Hopper), with the fusions lowered
-# as jnp ops around them (the handler's own passes: the last tests).
-GPU_MS = [1, 3, 16, 17, 40, 64, 200]
+# m <= 8: the decode kernel runs the fusions itself; 9..16 it runs the plain
+# call, 17..63 the Marlin kernel and >= 64 the prefill kernel (on Hopper),
+# with the fusions lowered as jnp ops around them (the handler's own passes:
+# the last tests).
+GPU_MS = [1, 3, 8, 16, 17, 40, 64, 200]
 # (k, n, group_size): g128, per column, g32; a padded k (1000, partial group)
 # and a padded n.
 GPU_LAYERS = [(4096, 1024, 128), (1024, 2048, -1), (2048, 1152, 32), (1000, 576, 32),
@@ -667,7 +668,7 @@ def test_gpu_matches_float64(rng, gpu_weights, fusion, dtype, layer, m):
     check_gpu_case(rng, gpu_weights(layer, dtype), (m,), dtype, fusion)
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("fusion", ["residual", "norm", "swiglu"])
 @pytest.mark.gpu
@@ -681,7 +682,7 @@ def test_gpu_each_fusion_alone(rng, gpu_weights, fusion, dtype, m):
                          ids=["zeros", "act-order", "both"])
 @pytest.mark.gpu
 def test_gpu_zeros_and_act_order(rng, zeros, act_order, fusion, m):
-    # Act-order at m <= 16: the decode kernel takes x' from jnp ops (the
+    # Act-order at m <= 8: the decode kernel takes x' from jnp ops (the
     # lowering) rather than run the prologue itself.
     w, weight = imported_weight(rng, 4096, 1024, 128, zeros=zeros, act_order=act_order)
     w = jax.tree.map(gpu, w)
@@ -716,14 +717,15 @@ def test_gpu_matches_cpu(rng, gpu_weights, m):
     assert rel_err(y_gpu, np.asarray(y_cpu, np.float64)) <= 2 * FP16_U
 
 
-@pytest.mark.parametrize("m, k, inside", [(1, 4096, True), (16, 4096, True), (17, 4096, False),
-                                          (64, 4096, False), (8, 8192, True), (9, 8192, False)])
+@pytest.mark.parametrize("m, k, inside", [(1, 4096, True), (8, 4096, True), (9, 4096, False),
+                                          (16, 4096, False), (64, 4096, False), (8, 8192, True),
+                                          (9, 8192, False)])
 @pytest.mark.gpu
 def test_gpu_lowering_route(rng, m, k, inside):
     # jm.matmul hands the fusions to the kernel where the decode kernel runs
-    # them (m <= 16, x in its own order, not a deep layer at m > 8: the call's
-    # norm_size is k); otherwise it lowers them as jnp ops around a plain call
-    # (norm_size 0), which XLA fuses with the ops next to it.
+    # them (m <= 8, x in its own order: the call's norm_size is k); otherwise
+    # it lowers them as jnp ops around a plain call (norm_size 0), which XLA
+    # fuses with the ops next to it.
     w = jm.quantize(gpu(random_weight(rng, k, 256)), group_size=128)
     x = gpu(rng.standard_normal((m, k)).astype(np.float16))
     g = gpu(np.ones(k, np.float16))
