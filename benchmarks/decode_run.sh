@@ -84,7 +84,8 @@ fi
 
 if has block; then
   step "block: an 8B block's projections with and without the elementwise kernels between them"
-  /tmp/block_bench 1 4 8 16 32 64 | tee "$OUT/block.txt"
+  # --layers: each projection alone too, plain and in each fused form.
+  /tmp/block_bench --layers 1 4 8 16 32 64 | tee "$OUT/block.txt"
 fi
 
 if has sweep; then
