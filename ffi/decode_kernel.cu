@@ -273,12 +273,13 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
 // Registers decide how many blocks share an SM, and so how many weight bytes
 // are in flight: at 128 a thread two blocks of 8 warps fit, above it one.
 // The instances at m <= 8 that fit in 128 (g128, g-1, g64 without zero
-// points) are held to it, plain and fused alike. Left to itself ptxas (nvcc
-// 13.0) gave the plain ones 141-155 and the fused ones (the prologue runs
-// with both windows' weights in flight) up to 147, one block per SM: plain
-// calls at m <= 8 then took 25-35% longer in a CUDA graph (H200,
-// benchmarks/NOTES.md). The others (g32, g64 with zero points, m > 8) need
-// 157-221 registers and run one block per SM.
+// points) are held to it, plain and fused alike. Allowed one block per SM,
+// ptxas (nvcc 13.0) gave the plain ones 141-155 registers and the fused ones
+// (the prologue runs with both windows' weights in flight) up to 147: a
+// Llama-3-8B block's plain projections then took 30-39% longer at m <= 8,
+// down (14336 x 4096) twice as long (H200, CUDA graph; benchmarks/NOTES.md).
+// The others (g32, g64 with zero points, m > 8) need 157-221 registers and
+// run one block per SM.
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros>
 constexpr bool fits_128() {
   return m_halves == 1 &&
