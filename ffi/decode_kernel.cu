@@ -18,10 +18,15 @@
 // shared-memory staging), the scales of each group fetched with them. A block
 // holds `cw` chunks times `kw` ranges of k; the `s` blocks of a cluster split
 // k further. x for the block's k range sits in shared memory (loaded once,
-// read with ldmatrix). The fp32 partial sums of all s * kw warps of a chunk
-// meet in shared memory and are added over the cluster through distributed
-// shared memory, in a fixed order (deterministic), by all the cluster's
-// threads, which also apply per-column scales and the bias and write C.
+// read with ldmatrix). The fp32 partial sums of a block's kw warps of a chunk
+// meet in its shared memory; each block then pushes its sums of the outputs
+// another block owns into that block's shared memory (st.async, counted on
+// the owner's mbarrier), and each owner adds the cluster's s sums in rank
+// order (deterministic), applies per-column scales and the bias and writes
+// C. No cluster barrier: a block reads only its own shared memory. (Pulling
+// the sums through distributed shared memory after a cluster barrier, and a
+// second barrier before exit, cost 0.4-0.7 us more per call at m = 1: H100,
+// benchmarks/NOTES.md.)
 #include "decode_kernel.h"
 
 #include <cooperative_groups.h>
@@ -86,14 +91,23 @@ inline int m_pad_of(int64_t m) { return m <= 8 ? 8 : 16; }
 // the short-stream schedule (the second window requested after x arrives).
 inline bool decode_stream(int64_t m, int64_t k_warp) { return m <= 8 && k_warp >= 1024; }
 
+// The inbox of a block in a cluster (s > 1): the partial sums of the outputs
+// it owns (item i of the m x cw 64 / 4 float4s to rank i % s), one float4
+// from each rank: [s][ceil(m cw 16 / s)] float4.
+inline int64_t inbox_bytes(const DecodeConfig &c, int64_t m) {
+  if (c.s == 1) return 0;
+  const int64_t items = m * c.cw * kChunk / 4;
+  return int64_t(c.s) * ((items + c.s - 1) / c.s) * 16;
+}
+
 // Shared memory of one block: x for its k range (rows padded by 16 bytes so
 // that ldmatrix's eight row addresses fall in distinct banks), later reused
-// for the fp32 partial sums of its warps.
+// for the fp32 partial sums of its warps; then the inbox.
 inline int64_t shared_bytes(const DecodeConfig &c, int64_t m, int64_t k) {
   const int64_t m_pad = m_pad_of(m);
   const int64_t x = m_pad * (k / c.s + 8) * 2;
   const int64_t red = int64_t(c.kw) * m_pad * (c.cw * kChunk + 4) * 4;
-  return x > red ? x : red;
+  return (x > red ? x : red) + inbox_bytes(c, m);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -141,6 +155,49 @@ __device__ inline int4 load_cached(const int4 *p, bool pred) {
   return v;
 }
 
+// The RMSNorm prologue's exchange of sums of squares between the cluster's
+// blocks: each block stores its rows' sums into every block's NormShared with
+// st.async, which counts the bytes on the receiving block's mbarrier; a block
+// waits only for its own mbarrier. (A cluster barrier there, a release at
+// cluster scope, cost 1.0-1.2 us more per call: benchmarks/NOTES.md.)
+struct NormShared {
+  unsigned long long bar;                  // mbarrier: the m s partial sums to arrive
+  float part[kMaxCluster][kDecodeMaxM];    // [rank][row]
+  float r[kDecodeMaxM];                    // 1 / rms per row
+};
+template <bool kFused> struct FusedShared : NormShared {};
+template <> struct FusedShared<false> {};
+
+__device__ inline uint32_t smem_u32(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ inline uint32_t map_rank(uint32_t local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ inline void st_async(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(remote),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
+}
+__device__ inline void st_async(uint32_t remote, float4 v, uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
+      : "memory");
+}
+__device__ inline void mbar_wait_parity0(uint32_t bar) {
+  uint32_t done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar)
+                 : "memory");
+  } while (!done);
+}
+
 __device__ inline void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
@@ -155,10 +212,10 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
 // The prologue of a fused call, on x rows 0..m-1 of the block's k range as
 // staged in shared memory (int4 rows of xs_stride), in place:
 //   RMSNorm: x' = dtype(x r w), r = 1 / sqrt(sum over all of k of x^2 /
-//            norm_size + eps) per row. The block's sums of squares meet the
-//            cluster's other blocks' (which hold the rest of k) through
-//            distributed shared memory, added in rank order, so every block
-//            gets the same r (deterministic);
+//            norm_size + eps) per row. The block's sums of squares go to
+//            every block of the cluster (which hold the rest of k; NormShared
+//            above), each adds them in rank order, so every block gets the
+//            same r (deterministic);
 //   SwiGLU:  x' = dtype(silu(gate) up), up staged as x, gate read from
 //            global memory (L2: the previous kernel has just written it).
 // The weights already in flight keep streaming meanwhile.
@@ -176,9 +233,8 @@ __device__ inline void cp_async_zfill(void *smem_ptr, const void *glob_ptr, bool
 // (H100, benchmarks/NOTES.md).
 template <typename scalar_t, int kGateBatch>
 __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int kb0, int k_block,
-                         cooperative_groups::cluster_group &cluster) {
+                         NormShared &ns, cooperative_groups::cluster_group &cluster) {
   using Scalar = ScalarType<scalar_t>;
-  __shared__ float ss_part[kDecodeMaxM], r_row[kDecodeMaxM];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int row_int4 = k_block / 8;
   auto widen = [](const int4 &v, float (&f)[8]) {
@@ -194,6 +250,8 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
     return v;
   };
   if (p.norm_weight) {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block's mbarrier is set up
+    const int blocks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
     for (int r = warp; r < p.m; r += warps) {
       float sum = 0.f;
       for (int c = lane; c < row_int4; c += 32) {
@@ -204,17 +262,15 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
       }
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane == 0) ss_part[r] = sum;
+      if (lane < blocks)  // lane q to rank q
+        st_async(map_rank(smem_u32(&ns.part[rank][r]), lane), sum, map_rank(smem_u32(&ns.bar), lane));
     }
-    cluster.sync();
     if (int(threadIdx.x) < p.m) {
+      mbar_wait_parity0(smem_u32(&ns.bar));
       float sum = 0.f;
-      for (int q = 0; q < int(cluster.num_blocks()); q++)
-        sum += cluster.map_shared_rank(ss_part, q)[threadIdx.x];
-      r_row[threadIdx.x] = 1.f / sqrtf(sum / p.norm_size + p.norm_eps);
+      for (int q = 0; q < blocks; q++) sum += ns.part[q][threadIdx.x];  // rank order
+      ns.r[threadIdx.x] = 1.f / sqrtf(sum / p.norm_size + p.norm_eps);
     }
-    // ss_part stays untouched until the kernel's last cluster barrier, so
-    // the other blocks may read it until then.
     __syncthreads();
   }
   // Each thread owns one column c of 8 elements (or a few, for long ranges)
@@ -231,7 +287,7 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
         float x[8];
         widen(smem[r * xs_stride + c], x);
 #pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = x[e] * r_row[r] * w[e];
+        for (int e = 0; e < 8; e++) x[e] = x[e] * ns.r[r] * w[e];
         smem[r * xs_stride + c] = narrow(x);
       }
     } else {
@@ -309,6 +365,43 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   const int kb0 = rank * k_block;          // first k row of this block
   const int k_rel = kw * p.k_warp;         // first k row of this warp, within the block
   const int steps = p.k_warp / 16;         // even (k_granule)
+
+  // The mbarriers that count what the cluster's blocks push into this one's
+  // shared memory with st.async: its inbox's partial sums of C (red_bar) and,
+  // for RMSNorm, the m s partial sums of squares. Set up and announced to
+  // the cluster (a relaxed arrive) before any weight load is in flight; the
+  // matching wait comes before the first push, in the prologue or before the
+  // reduction, long after every block has arrived. No cluster barrier is
+  // left in the kernel: a block reads only its own shared memory, and waits
+  // for everything pushed into it before it exits.
+  __shared__ FusedShared<kFused> fused_shared;
+  __shared__ unsigned long long red_bar;
+  // The m x cw 64 outputs of the block as float4 items, item i owned by
+  // rank i % s. (Computed again after the main loop: kept live through it,
+  // they cost registers the weights need.)
+  auto owned_items = [&] {
+    const int items = p.m * p.cw * kChunk / 4;
+    return rank < items ? (items - rank + s_blocks - 1) / s_blocks : 0;
+  };
+  // (Set up by the last warp: by thread 0, ptxas spilled 4 bytes in one
+  // long-stream fused instance.)
+  if (threadIdx.x == blockDim.x - 32) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&red_bar)));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&red_bar)),
+                 "r"(s_blocks > 1 ? 16 * owned_items() * s_blocks : 0)
+                 : "memory");
+    if constexpr (kFused) {
+      if (p.norm_weight) {
+        const uint32_t bar = smem_u32(&fused_shared.bar);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                     "r"(4 * p.m * s_blocks)
+                     : "memory");
+      }
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Lane's 16 bytes of the chunk row: words 4 lane .. 4 lane + 3 = tiles 0..3.
   const int w_stride = p.n / 2;  // int4 per row of 16 k
@@ -448,7 +541,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   __syncthreads();
   if constexpr (kFused)
     if (p.norm_weight || p.swiglu)
-      prologue<scalar_t, kStream ? 1 : 8>(p, smem, xs_stride, kb0, k_block, cluster);
+      prologue<scalar_t, kStream ? 1 : 8>(p, smem, xs_stride, kb0, k_block, fused_shared, cluster);
 
   const scalar_t *xs = reinterpret_cast<const scalar_t *>(smem);
   // ldmatrix row address of this lane: matrix lane / 8 (k offset 8 (lane / 8)
@@ -582,34 +675,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       row0[rs + 8] = acc[t][h][3];
     }
   __syncthreads();
-  // This block's k ranges summed into the kw = 0 rows (one float4 of a row
-  // of m per thread and step, in kw order).
-  const int quads = p.cw * kChunk / 4;
-  for (int i = threadIdx.x; i < p.m * quads; i += blockDim.x) {
-    float4 *dst = reinterpret_cast<float4 *>(red + (i / quads) * rs) + i % quads;
-    float4 v = *dst;
-    for (int r = 1; r < p.kw; r++) {
-      const float4 o = reinterpret_cast<const float4 *>(red + (r * m_pad + i / quads) * rs)[i % quads];
-      v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
-    }
-    *dst = v;
-  }
-  cluster.sync();
-
-  // Then over the cluster's blocks, in rank order, through distributed
-  // shared memory: the m x cw 64 outputs dealt out evenly over all the
-  // cluster's threads (item i to rank i % s), 4 columns each.
+  const int quads = p.cw * kChunk / 4;  // float4 items of C per row
+  const int items = p.m * quads, owned = owned_items();
+  // The epilogue of the float4 item i (row i / quads, columns 4 (i % quads)
+  // of the block's): per-column scales, bias, rounding, residual, store.
   T2 *C = reinterpret_cast<T2 *>(p.C);
   const T2 *bias = reinterpret_cast<const T2 *>(p.bias);
   const scalar_t *scales = reinterpret_cast<const scalar_t *>(p.s);
-  for (int i = threadIdx.x * s_blocks + rank; i < p.m * quads; i += blockDim.x * s_blocks) {
+  auto store = [&](int i, float (&v)[4]) {
     const int row = i / quads, quad = i % quads;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int q = 0; q < s_blocks; q++) {
-      const float4 o = reinterpret_cast<const float4 *>(cluster.map_shared_rank(red, q) + row * rs)[quad];
-      v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
-    }
     const int col = blockIdx.y * p.cw * kChunk + 4 * quad;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
@@ -637,9 +711,44 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       }
     }
     *reinterpret_cast<uint2 *>(&C[at]) = *reinterpret_cast<uint2 *>(out);
+  };
+  // This block's k ranges summed (in kw order), one float4 of a row of m per
+  // thread and item; each pushed to the rank that owns it (item i to rank
+  // i % s, slot [this rank][i / s] of its inbox).
+  const int per_rank = (items + s_blocks - 1) / s_blocks;
+  float4 *inbox = reinterpret_cast<float4 *>(
+      reinterpret_cast<char *>(smem) +
+      max(m_pad * (p.kw * p.k_warp + 8) * 2, p.kw * m_pad * rs * 4));  // past x and red (shared_bytes)
+  if (!(kFused && p.norm_weight)) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    float4 v = reinterpret_cast<const float4 *>(red + (i / quads) * rs)[i % quads];
+    for (int r = 1; r < p.kw; r++) {
+      const float4 o = reinterpret_cast<const float4 *>(red + (r * m_pad + i / quads) * rs)[i % quads];
+      v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+    }
+    if (s_blocks == 1) {
+      float w[4] = {v.x, v.y, v.z, v.w};
+      store(i, w);
+    } else {
+      const int to = i % s_blocks;
+      st_async(map_rank(smem_u32(&inbox[rank * per_rank + i / s_blocks]), to), v,
+               map_rank(smem_u32(&red_bar), to));
+    }
   }
-  // No block may leave while another still reads its partial sums.
-  cluster.sync();
+  // Then the items this block owns: the cluster's partial sums added in rank
+  // order (deterministic), 4 columns each.
+  if (s_blocks > 1 && int(threadIdx.x) < owned) {
+    mbar_wait_parity0(smem_u32(&red_bar));
+    for (int j = threadIdx.x; j < owned; j += blockDim.x) {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int q = 0; q < s_blocks; q++) {
+        const float4 o = inbox[q * per_rank + j];
+        v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
+      }
+      store(j * s_blocks + rank, v);
+    }
+  }
 }
 
 #else
