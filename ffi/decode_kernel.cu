@@ -25,8 +25,8 @@
 // order (deterministic), applies per-column scales and the bias and writes
 // C. No cluster barrier: a block reads only its own shared memory. (Pulling
 // the sums through distributed shared memory after a cluster barrier, and a
-// second barrier before exit, cost 0.4-0.7 us more per call at m = 1: H100,
-// benchmarks/NOTES.md.)
+// second barrier before exit, cost 0.1-0.9 us more per call at m = 1 and
+// 0.5-1.1 us at m = 8 on the 8B layers: H100, benchmarks/NOTES.md.)
 #include "decode_kernel.h"
 
 #include <cooperative_groups.h>
@@ -159,7 +159,7 @@ __device__ inline int4 load_cached(const int4 *p, bool pred) {
 // blocks: each block stores its rows' sums into every block's NormShared with
 // st.async, which counts the bytes on the receiving block's mbarrier; a block
 // waits only for its own mbarrier. (A cluster barrier there, a release at
-// cluster scope, cost 1.0-1.2 us more per call: benchmarks/NOTES.md.)
+// cluster scope, cost 0.7-1.2 us more per call: benchmarks/NOTES.md.)
 struct NormShared {
   unsigned long long bar;                  // mbarrier: the m s partial sums to arrive
   float part[kMaxCluster][kDecodeMaxM];    // [rank][row]
