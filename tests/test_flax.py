@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_marlin as jm  # noqa: E402
+from jax_marlin import fusion  # noqa: E402
 from conftest import BF16_U, random_x, rel_err  # noqa: E402
 from jax_marlin.flax import (  # noqa: E402
     MarlinDense,
@@ -599,3 +600,45 @@ def test_megatron_mlp_shards_through_partition_specs(group_size):
     ref = np.asarray(nnx.merge(graphdef, single)(x), np.float64)
     # 8 float16 partial sums added in float16: a few float16 roundings.
     assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 4 * 2.0**-11
+
+
+@pytest.mark.parametrize("form", ["residual", "rms_norm", "swiglu"])
+def test_marlin_dense_fusions(rng, form):
+    """The fusions of jm.matmul through MarlinDense: the same result as the unfused
+    composition (jax_marlin.fusion) around the layer's own weight, in float64; with
+    swiglu the layer's k is half the inputs' width."""
+    width = 2 * K if form == "swiglu" else K
+    x = random_x(rng, 3, width, dtype=np.float32)  # cast to the weight's float16 inside
+    layer = MarlinDense(N, bias_init=normal_init)
+    kwargs = {"swiglu": True} if form == "swiglu" else {}
+    variables = layer.init(jax.random.key(1), x, **kwargs)
+    w = variables["marlin"]["weight"]
+    assert (w.k, w.n) == (K, N)
+    bias = variables["params"]["bias"].astype(jnp.float16)
+    x16 = jnp.asarray(x, jnp.float16)
+    if form == "residual":
+        kwargs["residual"] = random_x(rng, 3, N, dtype=np.float32)
+        x_prime = x16
+    elif form == "rms_norm":
+        kwargs["rms_norm_weight"] = random_x(rng, K, dtype=np.float32)
+        kwargs["rms_norm_eps"] = 1e-5
+        x_prime = fusion.rms_norm(x16, jnp.asarray(kwargs["rms_norm_weight"], jnp.float16),
+                                     1e-5, K)
+    else:
+        x_prime = fusion.swiglu(x16)
+    y = jax.jit(lambda v, x: layer.apply(v, x, **kwargs))(variables, x)
+    assert y.shape == (3, N) and y.dtype == jnp.float32  # dtype=None: the inputs' dtype
+    ref = np.asarray(x_prime, np.float64) @ np.asarray(jm.dequantize(w, jnp.float32), np.float64)
+    ref += np.asarray(bias, np.float64)
+    if form == "residual":
+        ref += np.asarray(jnp.asarray(kwargs["residual"], jnp.float16), np.float64)
+    assert rel_err(y, ref) <= SAME_WEIGHT_TOL
+    if form != "swiglu":  # (with swiglu, x [3, 2 K] fits no other k)
+        # Without the fusion the layer computes something else: the test can fail.
+        assert rel_err(layer.apply(variables, x16), ref) > 10 * SAME_WEIGHT_TOL
+
+
+def test_marlin_dense_swiglu_odd_width_raises(rng):
+    x = random_x(rng, 2, 2 * K + 1)
+    with pytest.raises(ValueError, match="odd last dimension 513"):
+        MarlinDense(N).init(jax.random.key(0), x, swiglu=True)

@@ -47,7 +47,7 @@ class MarlinDense(nn.Module):
     the kernel, before its one rounding.
 
     Attributes:
-      features: n; ``k = x.shape[-1]``.
+      features: n; ``k = x.shape[-1]`` (half of it with ``swiglu``).
       use_bias: add a bias ``[features]``, a ``"params"`` variable in ``param_dtype``.
       dtype: dtype of the result, and of the matmul when float16 or bfloat16;
         ``None`` returns the dtype of ``x``.
@@ -70,12 +70,27 @@ class MarlinDense(nn.Module):
     bias_init: Callable[..., Any] = nn.initializers.zeros_init()
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``inputs [..., k]`` float -> ``[..., features]`` in ``dtype``."""
+    def __call__(self, inputs: jax.Array, *, residual: jax.Array | None = None,
+                 rms_norm_weight: jax.Array | None = None, rms_norm_eps: float = 1e-6,
+                 swiglu: bool = False) -> jax.Array:
+        """``inputs [..., k]`` float -> ``[..., features]`` in ``dtype``.
+
+        ``residual [..., features]``, ``rms_norm_weight [k]``, ``rms_norm_eps``
+        and ``swiglu`` (``inputs [..., 2 k]``, gate then up; the layer's k is
+        half their width) are :func:`jax_marlin.matmul`'s fusions, run in the
+        weight's dtype like ``inputs`` (the residual too: the sum is rounded to
+        it before the cast to ``dtype``). A layer is initialized with the
+        ``swiglu`` it is applied with: its k comes from the inputs' width.
+        """
         x = jnp.asarray(inputs)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"inputs.dtype is {x.dtype}; MarlinDense takes floating-point inputs")
         k = x.shape[-1]
+        if swiglu:
+            if k % 2:
+                raise ValueError(f"swiglu=True takes inputs [..., 2 k] (gate then up), got an odd "
+                                 f"last dimension {k}")
+            k //= 2
         shapes.padded_shape(k, self.features, self.group_size)
 
         def init_weight():
@@ -96,7 +111,11 @@ class MarlinDense(nn.Module):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             bias = bias.astype(weight.dtype)
-        return matmul(x.astype(weight.dtype), weight, bias=bias).astype(out_dtype)
+        residual, rms_norm_weight = (None if a is None else jnp.asarray(a).astype(weight.dtype)
+                                     for a in (residual, rms_norm_weight))
+        y = matmul(x.astype(weight.dtype), weight, bias=bias, residual=residual,
+                   rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps, swiglu=swiglu)
+        return y.astype(out_dtype)
 
 
 def _is_dense(tree: Any) -> bool:
