@@ -7,7 +7,14 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp ab
+#
+# Stage ab (after build) times variants of the decode kernel against the
+# tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
+# whole replacements of it; each is built into block_bench and decode_bench
+# (as "tree" is), checked against float64 on every configuration of a few
+# shapes, and timed side by side (block_bench --layers at AB_MS, default
+# "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16).
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -137,11 +144,57 @@ if has zp; then
     awk '{printf "%5s %6s %6s %9s %9s %+6.1f%% %9s %+6.1f%% %9s %+6.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1), $6, 100 * ($6 / $4 - 1), $7, 100 * ($7 / $4 - 1)}' | tee "$OUT/zp.txt"
 fi
 
+if has ab; then
+  step "ab: decode-kernel variants (${VARIANTS:-none}) against the tree's"
+  F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
+  names="tree"
+  mkdir -p /tmp/ab && cp ffi/decode_kernel.cu /tmp/ab/tree.cu
+  for v in ${VARIANTS:-}; do
+    name=$(basename "${v%.*}")
+    case "$v" in
+      *.cu) cp "$v" "/tmp/ab/$name.cu" ;;
+      *) cp ffi/decode_kernel.cu "/tmp/ab/$name.cu" && patch -s "/tmp/ab/$name.cu" "$v" || { echo "$v does not apply"; continue; } ;;
+    esac
+    names="$names $name"
+  done
+  # (-Iffi: a variant outside ffi/ includes the kernel's headers from there.)
+  for n in $names; do nvcc $F -Xptxas -v -c "/tmp/ab/$n.cu" -o "/tmp/ab/$n.o" > "$OUT/ab-ptxas-$n.txt" 2>&1 & done
+  wait
+  others=$(ls /tmp/db/*.o | grep -v -e /decode.o -e /bench.o)
+  for n in $names; do
+    echo "$n: $(grep -c 'bytes spill stores' "$OUT/ab-ptxas-$n.txt") instances, $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/ab-ptxas-$n.txt") spilling"
+    nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/db/bench.o -o "/tmp/ab/decode_bench_$n" &&
+      nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/block_bench.o -o "/tmp/ab/block_bench_$n" || exit 1
+  done
+  for n in $names; do
+    { timeout 60 "/tmp/ab/decode_bench_$n" --check --sweep --group 128 1:4096:4096 16:4096:6144 5:14336:4096
+      timeout 40 "/tmp/ab/decode_bench_$n" --check --sweep --group -1 --bf16 3:4096:4096 9:1024:1024; } > "$OUT/ab-check-$n.log" 2>&1
+    echo "$n checks: $(grep -c '  check' "$OUT/ab-check-$n.log") run, $(grep -c FAILED "$OUT/ab-check-$n.log") failed"
+  done
+  for n in $names; do "/tmp/ab/block_bench_$n" --layers ${AB_MS:-1 8 16} > "$OUT/ab-block-$n.txt" 2>&1; done
+  for n in $names; do
+    "/tmp/ab/decode_bench_$n" --chain $(for m in 1 16; do for l in 4096:6144 4096:4096 4096:28672 14336:4096; do echo -n "$m:$l "; done; done) > "$OUT/ab-chain-$n.txt" 2>&1
+  done
+  echo "us per block (block_bench: fused calls, then plain projections back to back), per variant: $names"
+  for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-block-$n.txt" | awk -v n=$n '{print n, "m=" $1, "kernel", $7, "bound", $6}'; done
+  echo "us per call (block_bench --layers), per variant: $names"
+  for n in $names; do
+    grep '^# layer' "$OUT/ab-block-$n.txt" | sed -E 's/^# layer +//; s/ +us per call//' | awk '{v=$(NF-1); NF-=2; print $0 "\t" v}' > "/tmp/ab/layers-$n.txt"
+  done
+  paste /tmp/ab/layers-tree.txt $(for n in $names; do [ "$n" != tree ] && echo "/tmp/ab/layers-$n.txt"; done) |
+    awk -F'\t' '{printf "%-28s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+  echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
+  for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
+  paste $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done) | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+fi
+
 if has sanitize; then
   step "compute-sanitizer on the decode kernel"
-  for tool in memcheck; do
-    timeout 45 compute-sanitizer --tool $tool --error-exitcode 9 $BIN --check --reps 2 --group 128 \
-      1:1024:1024 16:640:192 9:2048:512 > "$OUT/sanitize-$tool.log" 2>&1
-    echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | head -1)"
-  done
+  timeout 45 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --check --reps 2 --group 128 \
+    1:1024:1024 16:640:192 9:2048:512 > "$OUT/sanitize-memcheck.log" 2>&1
+  echo "memcheck exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize-memcheck.log" | head -1)"
+  # racecheck is slower: two cases, clusters of 4 and 8 blocks (the push reduction), m_halves 1 and 2.
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 $BIN --check --reps 1 --group 128 \
+    1:1024:1024 9:2048:512 > "$OUT/sanitize-racecheck.log" 2>&1
+  echo "racecheck exit $? $(grep -E 'RACECHECK SUMMARY' "$OUT/sanitize-racecheck.log" | head -1)"
 fi
