@@ -26,7 +26,7 @@
 // C. No cluster barrier: a block reads only its own shared memory. (Pulling
 // the sums through distributed shared memory after a cluster barrier, and a
 // second barrier before exit, cost 0.1-0.9 us more per call at m = 1 and
-// 0.5-1.1 us at m = 8 on the 8B layers: H100, benchmarks/NOTES.md.)
+// 0.5-1.6 us at m = 8 on the 8B layers: H100, benchmarks/NOTES.md.)
 #include "decode_kernel.h"
 
 #include <cooperative_groups.h>
