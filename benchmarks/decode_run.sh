@@ -7,14 +7,16 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp ab
+#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
 # whole replacements of it; each is built into block_bench and decode_bench
 # (as "tree" is), checked against float64 on every configuration of a few
 # shapes, and timed side by side (block_bench --layers at AB_MS, default
-# "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16).
+# "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16). Stage
+# abstep builds the package once per variant and times the JAX decode step
+# (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each.
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -144,9 +146,8 @@ if has zp; then
     awk '{printf "%5s %6s %6s %9s %9s %+6.1f%% %9s %+6.1f%% %9s %+6.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1), $6, 100 * ($6 / $4 - 1), $7, 100 * ($7 / $4 - 1)}' | tee "$OUT/zp.txt"
 fi
 
-if has ab; then
-  step "ab: decode-kernel variants (${VARIANTS:-none}) against the tree's"
-  F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
+# The variants of stages ab and abstep: /tmp/ab/<name>.cu, names in $names.
+ab_sources() {
   names="tree"
   mkdir -p /tmp/ab && cp ffi/decode_kernel.cu /tmp/ab/tree.cu
   for v in ${VARIANTS:-}; do
@@ -157,6 +158,12 @@ if has ab; then
     esac
     names="$names $name"
   done
+}
+
+if has ab; then
+  step "ab: decode-kernel variants (${VARIANTS:-none}) against the tree's"
+  F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
+  ab_sources
   # (-Iffi: a variant outside ffi/ includes the kernel's headers from there.)
   for n in $names; do nvcc $F -Xptxas -v -c "/tmp/ab/$n.cu" -o "/tmp/ab/$n.o" > "$OUT/ab-ptxas-$n.txt" 2>&1 & done
   wait
@@ -186,6 +193,29 @@ if has ab; then
   echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
   for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
   paste $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done) | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+fi
+
+if has abstep; then
+  # The package built once per variant (into /tmp/ab/py-<name>, one build at
+  # a time: each takes all cores) and the JAX decode step timed with each, in
+  # two alternating rounds, so that a drift of the machine shows.
+  step "abstep: the JAX decode step per decode-kernel variant (${VARIANTS:-none} and the tree's)"
+  ab_sources
+  for n in $names; do
+    rm -rf "/tmp/ab/src-$n" "/tmp/ab/py-$n" && mkdir -p "/tmp/ab/src-$n"
+    cp -r CMakeLists.txt pyproject.toml README.md LICENSE NOTICE ffi jax_marlin "/tmp/ab/src-$n/"
+    cp "/tmp/ab/$n.cu" "/tmp/ab/src-$n/ffi/decode_kernel.cu"
+    (cd "/tmp/ab/src-$n" && JAX_MARLIN_CUDA=${AB_CUDA:-ON} SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+      python3 -m pip install --no-build-isolation --no-deps -q --target "/tmp/ab/py-$n" . > "$OUT/abstep-build-$n.log" 2>&1) ||
+      { echo "$n: build failed"; tail -5 "$OUT/abstep-build-$n.log"; }
+  done
+  for round in 1 2; do
+    for n in $names; do
+      (cd /tmp && PYTHONPATH="/tmp/ab/py-$n" python3 "$OLDPWD/benchmarks/bench_decode_step.py" ${AB_STEP_ARGS:---ms 1 8}) \
+        > "$OUT/abstep-$n-$round.txt" 2>&1
+      grep -E "^ +[0-9]" "$OUT/abstep-$n-$round.txt" | sed "s/^/$n, round $round: /"
+    done
+  done
 fi
 
 if has sanitize; then
