@@ -177,6 +177,7 @@ if has ab; then
     { timeout 60 "/tmp/ab/decode_bench_$n" --check --sweep --group 128 1:4096:4096 16:4096:6144 5:14336:4096
       timeout 40 "/tmp/ab/decode_bench_$n" --check --sweep --group -1 --bf16 3:4096:4096 9:1024:1024; } > "$OUT/ab-check-$n.log" 2>&1
     echo "$n checks: $(grep -c '  check' "$OUT/ab-check-$n.log") run, $(grep -c FAILED "$OUT/ab-check-$n.log") failed"
+    grep -q '  check' "$OUT/ab-check-$n.log" || tail -3 "$OUT/ab-check-$n.log"
   done
   for n in $names; do "/tmp/ab/block_bench_$n" --layers ${AB_MS:-1 8 16} > "$OUT/ab-block-$n.txt" 2>&1; done
   for n in $names; do
