@@ -623,7 +623,7 @@ def test_marlin_dense_fusions(rng, form):
         kwargs["rms_norm_weight"] = random_x(rng, K, dtype=np.float32)
         kwargs["rms_norm_eps"] = 1e-5
         x_prime = fusion.rms_norm(x16, jnp.asarray(kwargs["rms_norm_weight"], jnp.float16),
-                                     1e-5, K)
+                                  1e-5, K)
     else:
         x_prime = fusion.swiglu(x16)
     y = jax.jit(lambda v, x: layer.apply(v, x, **kwargs))(variables, x)
