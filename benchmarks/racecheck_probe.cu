@@ -16,7 +16,7 @@
 //   mode 1: the same with fence.proxy.async.shared::cta before the arrive;
 //   mode 2: a real race: the producer never waits on `empty` (wrong sums).
 //
-//   nvcc -std=c++17 -arch=sm_90 -lineinfo benchmarks/racecheck_probe.cu -o racecheck_probe
+//   nvcc -std=c++17 -arch=sm_90 -lineinfo -Iffi benchmarks/racecheck_probe.cu -o racecheck_probe
 //   compute-sanitizer --tool racecheck --racecheck-report hazard ./racecheck_probe 0
 #include <cuda_runtime.h>
 
@@ -25,25 +25,18 @@
 #include <cstdlib>
 #include <vector>
 
+#include "mbarrier.cuh"
+
 namespace {
 
+using marlin::bulk_load;
+using marlin::mbar_arrive;
+using marlin::mbar_arrive_expect_tx;
+using marlin::mbar_init;
+using marlin::mbar_wait;
+using marlin::smem_addr;
+
 constexpr int kIters = 16;  // stages copied, 64 int4 (1 KiB) each
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 
 // 64 threads: warp 0's thread 0 produces, warp 1 consumes; out[lane] = the
 // sum of the .x of elements lane and lane + 32 of every stage.
@@ -52,8 +45,8 @@ __global__ void ring(const int4 *src, int *out, int mode) {
   __shared__ alignas(8) unsigned long long full[2], empty[2];
   if (threadIdx.x == 0) {
     for (int s = 0; s < 2; s++) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&empty[s])));
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -64,14 +57,8 @@ __global__ void ring(const int4 *src, int *out, int mode) {
       for (int i = 0; i < kIters; i++) {
         const int s = i % 2;
         if (i >= 2 && mode != 2) mbar_wait(smem_addr(&empty[s]), ((i / 2) - 1) & 1);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 1024;\n" ::"r"(
-                         smem_addr(&full[s]))
-                     : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, "
-            "[%2];\n" ::"r"(smem_addr(buf[s])),
-            "l"(src + 64 * i), "r"(smem_addr(&full[s]))
-            : "memory");
+        mbar_arrive_expect_tx(smem_addr(&full[s]), 1024);
+        bulk_load(smem_addr(buf[s]), src + 64 * i, 1024, smem_addr(&full[s]));
       }
     return;
   }
@@ -83,7 +70,7 @@ __global__ void ring(const int4 *src, int *out, int mode) {
     acc += buf[s][lane].x + buf[s][lane + 32].x;
     __syncwarp();
     if (mode == 1) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&empty[s])) : "memory");
+    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
   }
   out[lane] = acc;
 }

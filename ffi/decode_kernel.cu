@@ -39,6 +39,7 @@
 
 #include "marlin_kernel.cuh"
 #include "marlin_problem.h"
+#include "mbarrier.cuh"
 
 namespace marlin {
 
@@ -168,9 +169,6 @@ struct NormShared {
 template <bool kFused> struct FusedShared : NormShared {};
 template <> struct FusedShared<false> {};
 
-__device__ inline uint32_t smem_u32(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ inline uint32_t map_rank(uint32_t local, int rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
@@ -187,17 +185,6 @@ __device__ inline void st_async(uint32_t remote, float4 v, uint32_t remote_bar) 
       "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
       : "memory");
 }
-__device__ inline void mbar_wait_parity0(uint32_t bar) {
-  uint32_t done;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar)
-                 : "memory");
-  } while (!done);
-}
-
 __device__ inline void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
@@ -263,10 +250,10 @@ __device__ void prologue(const DecodeParams &p, int4 *smem, int xs_stride, int k
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       if (lane < blocks)  // lane q to rank q
-        st_async(map_rank(smem_u32(&ns.part[rank][r]), lane), sum, map_rank(smem_u32(&ns.bar), lane));
+        st_async(map_rank(smem_addr(&ns.part[rank][r]), lane), sum, map_rank(smem_addr(&ns.bar), lane));
     }
     if (int(threadIdx.x) < p.m) {
-      mbar_wait_parity0(smem_u32(&ns.bar));
+      mbar_wait(smem_addr(&ns.bar), 0);
       float sum = 0.f;
       for (int q = 0; q < blocks; q++) sum += ns.part[q][threadIdx.x];  // rank order
       ns.r[threadIdx.x] = 1.f / sqrtf(sum / p.norm_size + p.norm_eps);
@@ -386,17 +373,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // (Set up by the last warp: by thread 0, ptxas spilled 4 bytes in one
   // long-stream fused instance.)
   if (threadIdx.x == blockDim.x - 32) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&red_bar)));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&red_bar)),
-                 "r"(s_blocks > 1 ? 16 * owned_items() * s_blocks : 0)
-                 : "memory");
+    mbar_init(smem_addr(&red_bar), 1);
+    mbar_arrive_expect_tx(smem_addr(&red_bar), s_blocks > 1 ? 16 * owned_items() * s_blocks : 0);
     if constexpr (kFused) {
       if (p.norm_weight) {
-        const uint32_t bar = smem_u32(&fused_shared.bar);
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                     "r"(4 * p.m * s_blocks)
-                     : "memory");
+        mbar_init(smem_addr(&fused_shared.bar), 1);
+        mbar_arrive_expect_tx(smem_addr(&fused_shared.bar), 4 * p.m * s_blocks);
       }
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -731,14 +713,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       store(i, w);
     } else {
       const int to = i % s_blocks;
-      st_async(map_rank(smem_u32(&inbox[rank * per_rank + i / s_blocks]), to), v,
-               map_rank(smem_u32(&red_bar), to));
+      st_async(map_rank(smem_addr(&inbox[rank * per_rank + i / s_blocks]), to), v,
+               map_rank(smem_addr(&red_bar), to));
     }
   }
   // Then the items this block owns: the cluster's partial sums added in rank
   // order (deterministic), 4 columns each.
   if (s_blocks > 1 && int(threadIdx.x) < owned) {
-    mbar_wait_parity0(smem_u32(&red_bar));
+    mbar_wait(smem_addr(&red_bar), 0);
     for (int j = threadIdx.x; j < owned; j += blockDim.x) {
       float v[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
