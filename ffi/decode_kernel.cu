@@ -337,6 +337,13 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   using Scalar = ScalarType<scalar_t>;
   using T2 = typename Scalar::T2;
   constexpr int m_pad = 8 * m_halves;
+  // At m > 8 one thread stages x with bulk copies (the TMA unit, one per
+  // row, counted on x_bar) instead of every thread issuing cp.async: per
+  // call at m = 16 on an H100, qkv 11.53 -> 11.08 us, o 8.06 -> 7.53,
+  // gate_up 31.92 -> 30.98. At m <= 8 it measured slower on the short
+  // streams (m = 1: o 6.10 -> 6.56, down 13.73 -> 14.87) and no faster on
+  // the long ones in a CUDA graph (benchmarks/NOTES.md, 2026-12-06).
+  constexpr bool kXBulk = m_halves == 2;
   constexpr bool grouped = group_blocks != -1;
   // Groups (of group_blocks k steps) met in one window of kDepth steps.
   constexpr int window_groups = grouped ? (kDepth >= group_blocks ? kDepth / group_blocks : 1) : 1;
@@ -363,6 +370,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // for everything pushed into it before it exits.
   __shared__ FusedShared<kFused> fused_shared;
   __shared__ unsigned long long red_bar;
+  __shared__ unsigned long long x_bar;  // kXBulk: x's bulk copies
   // The m x cw 64 outputs of the block as float4 items, item i owned by
   // rank i % s. (Computed again after the main loop: kept live through it,
   // they cost registers the weights need.)
@@ -375,6 +383,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   if (threadIdx.x == blockDim.x - 32) {
     mbar_init(smem_addr(&red_bar), 1);
     mbar_arrive_expect_tx(smem_addr(&red_bar), s_blocks > 1 ? 16 * owned_items() * s_blocks : 0);
+    if constexpr (kXBulk) mbar_init(smem_addr(&x_bar), 1);
     if constexpr (kFused) {
       if (p.norm_weight) {
         mbar_init(smem_addr(&fused_shared.bar), 1);
@@ -401,6 +410,17 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   if (p.perm && int(threadIdx.x) < k_block / 8) {
     perm_first[0] = perm4[2 * threadIdx.x];
     perm_first[1] = perm4[2 * threadIdx.x + 1];
+  }
+  extern __shared__ int4 smem[];
+  const int xs_stride = k_block / 8 + 1;  // int4 per row
+  const int x_rows = kStream ? p.m : m_pad;
+  if constexpr (kXBulk) {
+    // Nor do the zero rows m..m_pad-1 of x (the bulk copies fill rows
+    // 0..m-1 only).
+    if (p.perm == nullptr)
+      for (int i = p.m * (k_block / 8) + threadIdx.x; i < x_rows * (k_block / 8); i += blockDim.x)
+        smem[(i / (k_block / 8)) * xs_stride + i % (k_block / 8)] = make_int4(0, 0, 0, 0);
+    __syncthreads();  // x_bar is set up before any thread waits on it
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n");
@@ -450,22 +470,28 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // columns are never reduced or written. (In a CUDA graph, skipping the zero
   // fill measured 1-3% slower on some short-stream layers at m = 1, and 3%
   // faster on others: benchmarks/NOTES.md. They keep it.)
-  extern __shared__ int4 smem[];
-  const int xs_stride = k_block / 8 + 1;  // int4 per row
-  const int x_rows = kStream ? p.m : m_pad;
   if (p.perm == nullptr) {
     const int row_int4 = k_block / 8;
     // With swiglu a row of A is gate | up, and x is up.
     const bool swiglu = kFused && p.swiglu;
     const int a_row_int4 = (swiglu ? 2 : 1) * p.k / 8;
     const int4 *a = p.A + (swiglu ? p.k / 8 : 0);
-    for (int i = threadIdx.x; i < x_rows * row_int4; i += blockDim.x) {
-      const int r = i / row_int4, c = i % row_int4;
-      const bool valid = r < p.m;
-      const int4 *src = a + (valid ? int64_t(r) * a_row_int4 + kb0 / 8 + c : 0);
-      cp_async_zfill(&smem[r * xs_stride + c], src, valid);
+    if constexpr (kXBulk) {
+      if (threadIdx.x == blockDim.x - 32) {
+        mbar_arrive_expect_tx(smem_addr(&x_bar), p.m * row_int4 * 16);
+        for (int r = 0; r < p.m; r++)
+          bulk_load(smem_addr(&smem[r * xs_stride]), a + int64_t(r) * a_row_int4 + kb0 / 8,
+                    row_int4 * 16, smem_addr(&x_bar));
+      }
+    } else {
+      for (int i = threadIdx.x; i < x_rows * row_int4; i += blockDim.x) {
+        const int r = i / row_int4, c = i % row_int4;
+        const bool valid = r < p.m;
+        const int4 *src = a + (valid ? int64_t(r) * a_row_int4 + kb0 / 8 + c : 0);
+        cp_async_zfill(&smem[r * xs_stride + c], src, valid);
+      }
+      cp_async_fence();
     }
-    cp_async_fence();
     fill(wa, sa, za, 0);
     if constexpr (kStream) fill(wb, sb, zb, kDepth);
   } else {
@@ -519,7 +545,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[t][h][i] = acc_g[t][h][i] = 0.f;
 
-  cp_async_wait<0>();
+  if constexpr (kXBulk) {
+    if (p.perm == nullptr) mbar_wait(smem_addr(&x_bar), 0);
+  } else {
+    cp_async_wait<0>();
+  }
   __syncthreads();
   if constexpr (kFused)
     if (p.norm_weight || p.swiglu)
