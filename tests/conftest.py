@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os  # 8 fake CPU devices for tests/test_partitioning.py; set before jax starts its backends
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# Under pytest-xdist every worker is a process of its own; with JAX's default
+# preallocation (75% of the GPU's memory each) all but the first fail on a GPU.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import zlib
 
