@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep time block tests prefill step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -110,12 +110,14 @@ if has step; then
 fi
 
 if has tests; then
-  step "GPU tests (decode, prefill and Marlin kernels through JAX)"
-  (cd /tmp && timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
+  # Every GPU test, in 8 processes (tests/conftest.py turns JAX's preallocation off under
+  # xdist): about 300 s on an H100 (2026-12-06).
+  step "GPU tests (decode, prefill and Marlin kernels through JAX, fusions, layers, models)"
+  (cd /tmp && timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -n 8 -m gpu "$OLDPWD/tests" -p no:cacheprovider 2>&1) > "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
   tail -1 "$OUT/tests.log"
   # The Marlin kernel's own tiles at every m, with the Hopper kernels off.
-  (cd /tmp && JAX_MARLIN_DECODE=0 JAX_MARLIN_PREFILL=0 timeout 45 python3 -m pytest -q -m gpu -k "float64 and not decode" "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) >> "$OUT/tests.log"
+  (cd /tmp && JAX_MARLIN_DECODE=0 JAX_MARLIN_PREFILL=0 timeout 60 python3 -m pytest -q -n 8 -m gpu -k "float64 and not decode" "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) >> "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | tail -5
   tail -1 "$OUT/tests.log" | sed 's/^/marlin only: /'
 fi
@@ -144,6 +146,23 @@ if has zp; then
         <(grep -E "^ +[0-9]" "$OUT/time-ao.log" | awk '{print $5}') \
         <(grep -E "^ +[0-9]" "$OUT/time-zp-ao.log" | awk '{print $5}') |
     awk '{printf "%5s %6s %6s %9s %9s %+6.1f%% %9s %+6.1f%% %9s %+6.1f%%\n", $1, $2, $3, $4, $5, 100 * ($5 / $4 - 1), $6, 100 * ($6 / $4 - 1), $7, 100 * ($7 / $4 - 1)}' | tee "$OUT/zp.txt"
+  # The decode row that costs most with zero points (4096 x 28672 at m = 16: +17-18% on the H200
+  # and the H100) and one beside it: does another configuration than the table's (chosen for
+  # symmetric weights) win with zero points?
+  step "zero points: every decode configuration of 4096 x 28672 and 4096 x 6144 at m = 16, symmetric and with zero points"
+  $BIN --sweep --reps 100 16:4096:28672 16:4096:6144 > "$OUT/zp-sweep-sym.log" 2>&1
+  $BIN --sweep --reps 100 --zeros 16:4096:28672 16:4096:6144 > "$OUT/zp-sweep-zp.log" 2>&1
+  grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-sym.log" | sed 's/^/symmetric: /'
+  grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-zp.log" | sed 's/^/zero points: /'
+fi
+
+if has gsweep; then
+  # The table was filled from independent calls; a decode step runs each layer after the one
+  # before. Every configuration of the 8B layers timed in a CUDA graph of dependent calls.
+  step "gsweep: every decode configuration of the 8B layers in a CUDA graph of dependent calls, fp16 g128"
+  $BIN --sweep --graph $(for l in 4096:6144 4096:4096 4096:28672 14336:4096; do echo -n "1:$l 4:$l 8:$l 16:$l "; done) \
+    > "$OUT/gsweep.log" 2>&1
+  grep -E "^ +[0-9]|sweep" "$OUT/gsweep.log"
 fi
 
 # The variants of stages ab and abstep: /tmp/ab/<name>.cu, names in $names.
