@@ -9,7 +9,8 @@
 from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
 from jax_marlin.ops import matmul
-from jax_marlin.packing import MarlinWeight, concatenate, dequantize, pack, quantize, unpack
+from jax_marlin.packing import (MarlinWeight, concatenate, dequantize, pack, permute_columns,
+                                quantize, unpack)
 from jax_marlin.partitioning import shard_weight, weight_spec_tree, weight_specs
 from jax_marlin.shapes import GROUP_SIZES, padded_shape
 
@@ -24,6 +25,7 @@ __all__ = [
     "matmul",
     "pack",
     "padded_shape",
+    "permute_columns",
     "quantize",
     "reference",
     "shard_weight",

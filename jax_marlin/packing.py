@@ -63,7 +63,8 @@ import numpy as np
 from jax_marlin import shapes
 from jax_marlin._compat import Tracer
 
-__all__ = ["MarlinWeight", "concatenate", "quantize", "pack", "unpack", "dequantize"]
+__all__ = ["MarlinWeight", "concatenate", "dequantize", "pack", "permute_columns", "quantize",
+           "unpack"]
 
 _ZERO_POINT = 8
 _MAXQ = 15
@@ -592,6 +593,41 @@ def concatenate(weights) -> MarlinWeight:
                                           k_pad, n_pad, first.group_size, repack)
     return MarlinWeight(qweight, scales, k=first.k, n=n, group_size=first.group_size,
                         perm=first.perm, zeros=zeros)
+
+
+def permute_columns(w: MarlinWeight, order) -> MarlinWeight:
+    """The weight whose column ``j`` is ``w``'s column ``order[j]``, exactly.
+
+    ``jm.matmul(x, permute_columns(w, order))`` is ``jm.matmul(x, w)[..., order]``:
+    the stored 4-bit values, scales and zero points are moved, never rounded
+    again, and the row order (act-order ``perm``) is kept. A model uses it to
+    hand the next layer its input already in that layer's act-order
+    (``jax_marlin.models.fuse_projections`` does so for an MLP's gate and up
+    projections and its down projection).
+
+    Args:
+      w: a :class:`MarlinWeight` ``[k, n]``.
+      order: a concrete permutation of ``0 .. n - 1``, ``[n]`` integers.
+
+    Returns:
+      A :class:`MarlinWeight` ``[k, n]``.
+    """
+    _check_weight(w)
+    if isinstance(order, Tracer):
+        raise ValueError("permute_columns: order must be concrete (a numpy array or an "
+                         "array outside jit): the weight is packed again on the host")
+    order = np.asarray(order)
+    if order.shape != (w.n,) or not np.issubdtype(order.dtype, np.integer):
+        raise ValueError(f"permute_columns: order must be integers [n] for the weight's "
+                         f"n = {w.n}, got {_describe(order)}")
+    if not np.array_equal(np.sort(order), np.arange(w.n)):
+        raise ValueError(f"permute_columns: order is not a permutation of 0 .. {w.n - 1} "
+                         f"(an index repeated or out of range)")
+    q, scales, *rest = unpack(w)
+    zeros, g_idx = rest if rest else (None, None)
+    return pack(q[:, order], scales[:, order], w.group_size, w.dtype,
+                zeros=None if w.zeros is None else zeros[:, order],
+                g_idx=None if w.perm is None else g_idx)
 
 
 def _listing(values) -> str:

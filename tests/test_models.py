@@ -142,9 +142,18 @@ def test_fused_gptq_act_order_and_imported_weights():
     nnx.update(model, nnx.state(real, nnx.Param))
     load_quantized(model, weights)
     want = logits(model, tokens)
+    mlp = model.layers[0].mlp
+    down_perm = np.asarray(mlp.down.weight.get_value().perm)
+    up = jm.unpack(mlp.up.weight.get_value())
     fuse_projections(model)
     qkv = model.layers[0].attn.qkv.weight.get_value()
     assert qkv.zeros is not None and qkv.perm is not None
+    # down's act-order moved into gate and up's columns: down runs without a permutation.
+    down, gate_up = mlp.down.weight.get_value(), mlp.gate_up.weight.get_value()
+    assert down.perm is None and down.zeros is not None and gate_up.perm is not None
+    half = TINY.intermediate_size
+    np.testing.assert_array_equal(np.asarray(jm.unpack(gate_up)[0])[:, half:],
+                                  np.asarray(up[0])[:, down_perm])
     np.testing.assert_array_equal(logits(model, tokens), want)
 
 

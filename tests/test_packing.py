@@ -565,3 +565,39 @@ def test_concatenate_errors(rng):
     act = concat_parts(rng, 256, (128,), 64, act_order=True)[0]
     with pytest.raises(ValueError, match="or is traced"):
         jax.jit(lambda a: jm.concatenate([a, a]))(act)
+
+
+@pytest.mark.parametrize("k,n,group_size,zeros,act_order", [(256, 192, 64, False, False),
+                                                            (576, 130, 32, True, True),
+                                                            (1000, 100, -1, True, False),
+                                                            (512, 256, 128, False, True)])
+def test_permute_columns(rng, k, n, group_size, zeros, act_order):
+    w = concat_parts(rng, k, (n,), group_size, zeros=zeros, act_order=act_order)[0]
+    order = rng.permutation(n)
+    p = jm.permute_columns(w, order)
+    assert p.shape == (k, n) and (p.zeros is None) == (not zeros)
+    # Moved, not rounded again: the unpacked arrays' columns, and the same row order.
+    for got, want, field in zip(jm.unpack(p), jm.unpack(w), ("q", "scales", "zeros", "g_idx")):
+        want = np.asarray(want) if field == "g_idx" else np.asarray(want)[:, order]
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=field)
+    if act_order:
+        np.testing.assert_array_equal(np.asarray(p.perm), np.asarray(w.perm))
+    x = rng.standard_normal((3, k)).astype(np.float16)
+    got = jax.jit(lambda x, w: _matmul(x, w, poison_output=True))(x, p)
+    # The CPU kernel computes each column alone: bit for bit the columns of the original.
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(jm.matmul(x, w))[:, order].view(np.uint16))
+
+
+def test_permute_columns_errors(rng):
+    w = jm.quantize(random_weight(rng, 256, 128), 64)
+    for order, match in [(np.arange(127), r"integers \[n\] for the weight's n = 128, got int64\[127\]"),
+                         (np.arange(128.0), r"got float64\[128\]"),
+                         (np.r_[0, np.arange(127)], r"not a permutation of 0 \.\. 127"),
+                         (np.arange(1, 129), r"not a permutation of 0 \.\. 127")]:
+        with pytest.raises(ValueError, match=match):
+            jm.permute_columns(w, order)
+    with pytest.raises(ValueError, match="order must be concrete"):
+        jax.jit(lambda o: jm.permute_columns(w, o))(np.arange(128))
+    with pytest.raises(TypeError, match="expected a jax_marlin.MarlinWeight"):
+        jm.permute_columns(np.zeros((256, 128)), np.arange(128))

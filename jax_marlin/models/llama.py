@@ -34,8 +34,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+import jax_marlin as jm
 from jax_marlin.flax.nnx import MarlinLinear, concatenate_linears
 
 __all__ = ["KVCache", "Llama", "LlamaConfig", "fuse_projections"]
@@ -189,10 +191,34 @@ class MLP(nnx.Module):
         self.gate_up = nnx.data(None)  # gate and up joined: fuse()
 
     def fuse(self):
-        """Replaces ``gate``, ``up`` by one ``gate_up`` layer ``[hidden, 2 intermediate]``."""
+        """Replaces ``gate``, ``up`` by one ``gate_up`` layer ``[hidden, 2 intermediate]``.
+
+        A 4-bit ``down`` with act-order (``perm``: its kernel multiplies
+        ``x[..., perm]``) has that order moved into ``gate`` and ``up``'s
+        output columns first (``jax_marlin.permute_columns``, exact), so
+        ``down`` gets its input already in its row order and runs without a
+        permutation: no gather of ``x`` (a second launch or the kernel's
+        gather), and its SwiGLU can run inside the kernel.
+        """
         if self.gate_up is None:
+            self._fold_act_order()
             self.gate_up = concatenate_linears([self.gate, self.up])
             self.gate = self.up = None
+
+    def _fold_act_order(self):
+        down = self.down
+        if not isinstance(down, MarlinLinear) or down.weight.get_value().perm is None:
+            return
+        w = down.weight.get_value()
+        order = np.asarray(w.perm)
+        for layer in (self.gate, self.up):  # x of down = silu(gate) * up, column by column
+            if isinstance(layer, MarlinLinear):
+                layer.weight.set_value(jm.permute_columns(layer.weight.get_value(), order))
+            else:
+                layer.kernel.set_value(layer.kernel[...][:, order])
+            if layer.bias is not None:
+                layer.bias.set_value(layer.bias[...][order])
+        down.weight.set_value(dataclasses.replace(w, perm=None))
 
     def __call__(self, x, *, norm=None, residual=None):
         """``x [..., hidden]`` -> ``[..., hidden]``.
@@ -318,6 +344,10 @@ def fuse_projections(model: Llama, *, elementwise: bool = True) -> Llama:
     only (the norm's scale is applied to ``x r`` rather than multiplied into
     ``r``; SwiGLU is computed in float32 and rounded once).
     ``elementwise=False`` keeps every op as the float model has it.
+
+    A 4-bit ``down`` with act-order has its row order moved into ``gate``
+    and ``up``'s output columns (``MLP.fuse``), exactly: it then runs
+    without permuting its input.
     """
     for block in model.layers:
         block.attn.fuse()
