@@ -22,12 +22,21 @@ keeps ahead. Weights are random; 4-bit weights are quantized from the
 float16 ones. Floor: weight bytes over the copy bandwidth measured in the
 same process.
 
-    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--out step.json]
+``--act-order``: also the step with act-order weights (GPTQ ``desc_act``: a
+random ``g_idx`` per projection, packed by ``jm.pack``; one block's weights,
+112 MB, reused by every block, so they still stream from HBM), pipelined,
+unfused and fused, and fused with ``down``'s row order moved into
+``gate_up``'s columns (``jm.permute_columns``, as
+``jax_marlin.models.fuse_projections`` does), against the same steps with
+those weights in group order.
+
+    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--act-order] [--out step.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -108,11 +117,34 @@ def pipelined(fn, x, weights, *, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
+def act_order_blocks(block: dict, blocks: int, seed: int = 0) -> tuple[list, list, list]:
+    """``block``'s weights in group order, with a random act-order, and that with down's folded.
+
+    Each weight's 4-bit values and scales are packed again with a random
+    ``g_idx`` (groups of 128 rows in a random row order), so the three sets
+    hold the same bytes (plus ``perm``) and differ only in the row order.
+    """
+    rng = np.random.default_rng(seed)
+    ordered, shuffled = {}, {}
+    for name, w in block.items():
+        q, scales = jm.unpack(w)
+        g_idx = np.empty(w.k, np.int32)
+        g_idx[rng.permutation(w.k)] = np.arange(w.k) // 128
+        ordered[name] = w
+        shuffled[name] = jm.pack(q, scales, 128, w.dtype, g_idx=g_idx)
+    folded = dict(shuffled)
+    perm = np.asarray(shuffled["down"].perm)
+    folded["gate_up"] = jm.permute_columns(shuffled["gate_up"], np.concatenate([perm, FFN + perm]))
+    folded["down"] = dataclasses.replace(shuffled["down"], perm=None)
+    return [ordered] * blocks, [shuffled] * blocks, [folded] * blocks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--act-order", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -164,11 +196,33 @@ def main() -> None:
                          marlin_pipelined_ms=p4, pipelined_speedup=p16 / p4, fused_ms=tf,
                          fused_speedup=t16 / tf, fused_pipelined_ms=pf,
                          fused_pipelined_speedup=p16 / pf, fused_max_rel_diff=diff))
+    act_rows = []
+    if args.act_order:
+        ordered, shuffled, folded = act_order_blocks(int4[0], args.blocks)
+        print("act-order (one block's weights reused), pipelined ms per step: group order"
+              " unfused / fused | act-order unfused / fused / fused, down's order folded")
+        for m in args.ms:
+            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            t = dict(ordered_ms=pipelined(f_int4, x, ordered, calls=args.calls),
+                     ordered_fused_ms=pipelined(f_fused, x, ordered, calls=args.calls),
+                     act_order_ms=pipelined(f_int4, x, shuffled, calls=args.calls),
+                     act_order_fused_ms=pipelined(f_fused, x, shuffled, calls=args.calls),
+                     folded_fused_ms=pipelined(f_fused, x, folded, calls=args.calls))
+            # The folded step computes the act-order step's block exactly but for rounding order.
+            y, yf = f_fused(x, shuffled).astype(jnp.float32), f_fused(x, folded).astype(jnp.float32)
+            t["folded_max_rel_diff"] = float(jnp.max(jnp.abs(yf - y)) / jnp.max(jnp.abs(y)))
+            print(f"{m:>4} {t['ordered_ms']:>8.3f} {t['ordered_fused_ms']:>8.3f} |"
+                  f" {t['act_order_ms']:>8.3f} ({t['act_order_ms'] / t['ordered_ms'] - 1:+.1%})"
+                  f" {t['act_order_fused_ms']:>8.3f} ({t['act_order_fused_ms'] / t['ordered_fused_ms'] - 1:+.1%})"
+                  f" {t['folded_fused_ms']:>8.3f} ({t['folded_fused_ms'] / t['ordered_fused_ms'] - 1:+.1%})"
+                  f" max diff {t['folded_max_rel_diff']:.1e}")
+            act_rows.append(dict(m=m, **t))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                            blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
-                           marlin_bytes=int4_bytes, rows=rows), f, indent=1)
+                           marlin_bytes=int4_bytes, rows=rows, act_order_rows=act_rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":
