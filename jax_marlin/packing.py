@@ -598,7 +598,7 @@ def concatenate(weights) -> MarlinWeight:
 def permute_columns(w: MarlinWeight, order) -> MarlinWeight:
     """The weight whose column ``j`` is ``w``'s column ``order[j]``, exactly.
 
-    ``jm.matmul(x, permute_columns(w, order))`` is ``jm.matmul(x, w)[..., order]``:
+    ``jm.matmul(x, permute_columns(w, order))`` computes ``jm.matmul(x, w)[..., order]``:
     the stored 4-bit values, scales and zero points are moved, never rounded
     again, and the row order (act-order ``perm``) is kept. A model uses it to
     hand the next layer its input already in that layer's act-order
@@ -615,7 +615,7 @@ def permute_columns(w: MarlinWeight, order) -> MarlinWeight:
     _check_weight(w)
     if isinstance(order, Tracer):
         raise ValueError("permute_columns: order must be concrete (a numpy array or an "
-                         "array outside jit): the weight is packed again on the host")
+                         "array outside jit): it is checked to be a permutation")
     order = np.asarray(order)
     if order.shape != (w.n,) or not np.issubdtype(order.dtype, np.integer):
         raise ValueError(f"permute_columns: order must be integers [n] for the weight's "
