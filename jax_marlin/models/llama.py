@@ -206,10 +206,11 @@ class MLP(nnx.Module):
             self.gate = self.up = None
 
     def _fold_act_order(self):
-        down = self.down
-        if not isinstance(down, MarlinLinear) or down.weight.get_value().perm is None:
+        if not isinstance(self.down, MarlinLinear):
             return
-        w = down.weight.get_value()
+        w = self.down.weight.get_value()
+        if w.perm is None:
+            return
         order = np.asarray(w.perm)
         for layer in (self.gate, self.up):  # x of down = silu(gate) * up, column by column
             if isinstance(layer, MarlinLinear):
@@ -218,7 +219,7 @@ class MLP(nnx.Module):
                 layer.kernel.set_value(layer.kernel[...][:, order])
             if layer.bias is not None:
                 layer.bias.set_value(layer.bias[...][order])
-        down.weight.set_value(dataclasses.replace(w, perm=None))
+        self.down.weight.set_value(dataclasses.replace(w, perm=None))
 
     def __call__(self, x, *, norm=None, residual=None):
         """``x [..., hidden]`` -> ``[..., hidden]``.
