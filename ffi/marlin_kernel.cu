@@ -23,7 +23,12 @@ namespace {
 // Marlin kernel: JAX_MARLIN_DECODE=0 keeps m <= 16 off the decode kernel, and
 // "cw,kw,s" forces a decode configuration; JAX_MARLIN_PREFILL=0 keeps m >= 64
 // off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode and prefill
-// kernels' programmatic dependent launch off. Read once per process.
+// kernels' programmatic dependent launch off. Read once per process. (PDL
+// overlaps a kernel with the one before it on the stream: within one call,
+// e.g. the act-order pass and its kernel, and between calls on a plain
+// stream. XLA records each custom call into its command buffer as a child
+// graph of its own, so between two jitted calls it has no effect:
+// benchmarks/NOTES.md.)
 struct KernelPolicy {
   bool decode = true;
   bool prefill = true;
