@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -164,9 +165,14 @@ def main() -> None:
     fp16_bytes = sum(w.nbytes for blk in fp16 for w in blk.values())
     int4_bytes = sum(w.nbytes for blk in int4 for w in blk.values())
     tbps = copy_tbps()
+    # The settings that change how the step runs (command buffers, the
+    # launcher's kernel policy), so that a log says what it measured.
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k == "XLA_FLAGS" or k.startswith("JAX_MARLIN_")}
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.blocks} blocks, "
           f"copy {tbps:.2f} TB/s; weights: float16 {fp16_bytes / 1e9:.2f} GB, "
-          f"jax_marlin g128 {int4_bytes / 1e9:.2f} GB")
+          f"jax_marlin g128 {int4_bytes / 1e9:.2f} GB"
+          + "".join(f"; {k}={v}" for k, v in env.items()))
     f_fp16 = jax.jit(lambda x, w: step(x, w, lambda a, b: a @ b))
     f_int4 = jax.jit(lambda x, w: step(x, w, jm.matmul))
     f_fused = jax.jit(step_fused)
@@ -220,7 +226,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
+                           env=env, blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
                            marlin_bytes=int4_bytes, rows=rows, act_order_rows=act_rows), f,
                       indent=1)
 
