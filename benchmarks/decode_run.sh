@@ -16,7 +16,8 @@
 # shapes, and timed side by side (block_bench --layers at AB_MS, default
 # "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16). Stage
 # abstep builds the package once per variant and times the JAX decode step
-# (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each.
+# (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each, under each
+# of $AB_XLA_FLAGS (default: XLA_FLAGS as it is).
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -229,11 +230,18 @@ if has abstep; then
       python3 -m pip install --no-build-isolation --no-deps -q --target "/tmp/ab/py-$n" . > "$OUT/abstep-build-$n.log" 2>&1) ||
       { echo "$n: build failed"; tail -5 "$OUT/abstep-build-$n.log"; }
   done
+  # AB_XLA_FLAGS: XLA settings to time each variant under, space-separated
+  # ("default" leaves XLA_FLAGS as it is), e.g.
+  # "default --xla_gpu_enable_command_buffer=-CUSTOM_CALL".
   for round in 1 2; do
-    for n in $names; do
-      (cd /tmp && PYTHONPATH="/tmp/ab/py-$n" python3 "$OLDPWD/benchmarks/bench_decode_step.py" ${AB_STEP_ARGS:---ms 1 8}) \
-        > "$OUT/abstep-$n-$round.txt" 2>&1
-      grep -E "^ +[0-9]" "$OUT/abstep-$n-$round.txt" | sed "s/^/$n, round $round: /"
+    for flags in ${AB_XLA_FLAGS:-default}; do
+      for n in $names; do
+        tag="$n"; [ "$flags" = default ] || tag="$n [$flags]"
+        log="$OUT/abstep-$n-$round$( [ "$flags" = default ] || echo "-$(echo "$flags" | tr -c 'A-Za-z0-9_\n' _)").txt"
+        (cd /tmp && if [ "$flags" != default ]; then export XLA_FLAGS="$flags"; fi
+         PYTHONPATH="/tmp/ab/py-$n" python3 "$OLDPWD/benchmarks/bench_decode_step.py" ${AB_STEP_ARGS:---ms 1 8}) > "$log" 2>&1
+        grep -E "^ +[0-9]" "$log" | sed "s/^/$tag, round $round: /"
+      done
     done
   done
 fi
