@@ -236,8 +236,9 @@ if has abstep; then
   for round in 1 2; do
     for flags in ${AB_XLA_FLAGS:-default}; do
       for n in $names; do
-        tag="$n"; [ "$flags" = default ] || tag="$n [$flags]"
-        log="$OUT/abstep-$n-$round$( [ "$flags" = default ] || echo "-$(echo "$flags" | tr -c 'A-Za-z0-9_\n' _)").txt"
+        tag="$n" suffix=""
+        [ "$flags" = default ] || tag="$n [$flags]" suffix="-$(printf %s "$flags" | tr -c 'A-Za-z0-9_' _)"
+        log="$OUT/abstep-$n-$round$suffix.txt"
         (cd /tmp && if [ "$flags" != default ]; then export XLA_FLAGS="$flags"; fi
          PYTHONPATH="/tmp/ab/py-$n" python3 "$OLDPWD/benchmarks/bench_decode_step.py" ${AB_STEP_ARGS:---ms 1 8}) > "$log" 2>&1
         grep -E "^ +[0-9]" "$log" | sed "s/^/$tag, round $round: /"
