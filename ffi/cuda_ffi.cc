@@ -73,3 +73,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                 .Ctx<xla::ffi::State<jax_marlin::ZeroedCounters>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
+
+// The same handler without the command-buffer trait: XLA then leaves the
+// call out of its command buffers and runs it on the stream, between them
+// (jax_marlin_matmul_stream; jax_marlin/_ffi.py says when it is used).
+// Inside a command buffer XLA records each FFI call as a child graph of its
+// own, with full dependencies on its neighbours, so a kernel's programmatic
+// dependent launch has no predecessor to overlap with; on the stream two
+// adjacent calls' kernels keep the programmatic edge.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMarlinMatmulCudaStream, jax_marlin::MatmulCuda,
+    jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()
+                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                .Ctx<xla::ffi::State<jax_marlin::ZeroedCounters>>()));

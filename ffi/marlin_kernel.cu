@@ -27,8 +27,9 @@ namespace {
 // overlaps a kernel with the one before it on the stream: within one call,
 // e.g. the act-order pass and its kernel, and between calls on a plain
 // stream. XLA records each custom call into its command buffer as a child
-// graph of its own, so between two jitted calls it has no effect:
-// benchmarks/NOTES.md.)
+// graph of its own, so between two jitted calls it has no effect there; with
+// JAX_MARLIN_COMMAND_BUFFER=0 the calls run on the stream and adjacent ones
+// keep the edge: benchmarks/NOTES.md.)
 struct KernelPolicy {
   bool decode = true;
   bool prefill = true;

@@ -21,6 +21,7 @@ namespace nb = nanobind;
 #include "zeroed_counters.h"
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCudaStream);
 #define JAX_MARLIN_MODULE _marlin_cuda
 #define JAX_MARLIN_MATMUL JaxMarlinMatmulCuda
 #else
@@ -39,6 +40,12 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
         nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
     stages["execute"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
     targets["jax_marlin_matmul"] = stages;
+    // The same handler, kept out of XLA's command buffers.
+    nb::dict stream_stages;
+    stream_stages["instantiate"] =
+        nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
+    stream_stages["execute"] = nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaStream));
+    targets["jax_marlin_matmul_stream"] = stream_stages;
 #else
     targets["jax_marlin_matmul"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
 #endif

@@ -28,6 +28,26 @@ except ImportError:  # a CPU-only build
 #: Name of the custom-call target, the same on every platform.
 MATMUL_TARGET = "jax_marlin_matmul"
 
+#: The CUDA target of the same handler without XLA's command-buffer trait:
+#: XLA runs such calls on the stream, outside its command buffers.
+MATMUL_STREAM_TARGET = "jax_marlin_matmul_stream"
+
+
+def cuda_target() -> str:
+    """The custom-call target ``jm.matmul`` lowers to on CUDA, read at lowering time.
+
+    ``JAX_MARLIN_COMMAND_BUFFER=0`` keeps the calls out of XLA's command
+    buffers: XLA runs them on the stream, where adjacent calls keep the
+    programmatic dependent launch between their kernels. Otherwise (the
+    default) XLA may record them into its command buffers, each as a child
+    graph that starts when the commands before it have finished. On a
+    Llama-3-8B decode step the two measured the same (H200, m = 1: 1.95-1.98
+    ms against 1.93-2.01 fused; ``benchmarks/NOTES.md``), so the default
+    stays; the switch is there for kernels that use the edge.
+    """
+    return MATMUL_STREAM_TARGET if os.environ.get("JAX_MARLIN_COMMAND_BUFFER") == "0" else MATMUL_TARGET
+
+
 #: Whether this build has the CUDA kernel.
 HAS_CUDA = _marlin_cuda is not None
 

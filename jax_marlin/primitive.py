@@ -55,7 +55,7 @@ def _impl(*operands, **params):
 
 
 def _lowering(ctx, x, qweight, scales, zeros, perm, bias, residual, norm_weight, *, k, n,
-              group_size, poison_output, norm_eps, norm_size, swiglu):
+              group_size, poison_output, norm_eps, norm_size, swiglu, target=_ffi.MATMUL_TARGET):
     # The kernel's fp32 reduction buffer and a lock-counter buffer are extra
     # results that XLA allocates, dropped here: a fixed buffer per call site,
     # which keeps the call capturable into a CUDA graph. (The CUDA handler
@@ -69,7 +69,7 @@ def _lowering(ctx, x, qweight, scales, zeros, perm, bias, residual, norm_weight,
     # permuted), written into the scratch.
     x_copy = ctx.avals_in[4].shape[0] > 0 or ctx.avals_in[7].shape[0] > 0 or swiglu
     scratch = ShapedArray((shapes.reduce_scratch_size(m, n, k, x_copy),), jnp.float32)
-    rule = jax.ffi.ffi_lowering(_ffi.MATMUL_TARGET)
+    rule = jax.ffi.ffi_lowering(target)
     y, _, _ = rule(ctx.replace(avals_out=[*ctx.avals_out, workspace, scratch]), x, qweight,
                    scales, zeros, perm, bias, residual, norm_weight, group_size=group_size,
                    poison_output=bool(poison_output), norm_eps=np.float32(norm_eps),
@@ -118,7 +118,7 @@ def _cuda_lowering(ctx, x, qweight, scales, zeros, perm, bias, residual, norm_we
     # ffi/decode_kernel.cu).
     if fused and (m > FUSED_MAX_M or (prologue and ctx.avals_in[4].shape[0] > 0)):
         return mlir.lower_fun(_composed, multiple_results=False)(ctx, *operands, **params)
-    return _lowering(ctx, *operands, **params)
+    return _lowering(ctx, *operands, **params, target=_ffi.cuda_target())
 
 
 marlin_matmul_p.def_impl(_impl)

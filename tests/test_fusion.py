@@ -775,3 +775,41 @@ def test_gpu_handler_passes_match_the_lowering(rng, m, act_order):
     ]:
         assert np.isfinite(np.asarray(got, np.float32)).all()
         assert rel_err(got, np.asarray(want, np.float64)) <= GPU_NEAR[np.dtype(np.float16)]
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.gpu
+def test_gpu_stream_target_matches_the_command_buffer_one(rng, monkeypatch, m):
+    # JAX_MARLIN_COMMAND_BUFFER=0 lowers every call to the handler without
+    # the command-buffer trait, which XLA runs on the stream; the same kernels
+    # run, so the results are bit-identical, fusions included.
+    w = jm.quantize(gpu(random_weight(rng, 4096, 512)), group_size=128)
+    x = gpu(rng.standard_normal((m, 4096)).astype(np.float16))
+    g = gpu((1 + 0.1 * rng.standard_normal(4096)).astype(np.float16))
+    residual = gpu(rng.standard_normal((m, 512)).astype(np.float16))
+
+    texts, ys = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("JAX_MARLIN_COMMAND_BUFFER", setting)
+
+        def step(x, g, residual):  # a new function each time: no cached lowering
+            h = jm.matmul(x, w, rms_norm_weight=g, residual=residual)
+            return jm.matmul(jnp.tile(h, (1, 8)), w, residual=residual)
+
+        f = jax.jit(step)
+        texts[setting] = re.findall(r"custom_call @(\w+)", f.lower(x, g, residual).as_text())
+        ys[setting] = np.asarray(f(x, g, residual))
+    assert texts == {"1": ["jax_marlin_matmul"] * 2, "0": ["jax_marlin_matmul_stream"] * 2}
+    assert np.isfinite(ys["0"].astype(np.float32)).all()
+    np.testing.assert_array_equal(ys["0"], ys["1"])
+
+
+def test_command_buffer_switch_picks_the_cuda_target(monkeypatch):
+    from jax_marlin import _ffi
+    for value, target in [(None, "jax_marlin_matmul"), ("1", "jax_marlin_matmul"),
+                          ("0", "jax_marlin_matmul_stream")]:
+        if value is None:
+            monkeypatch.delenv("JAX_MARLIN_COMMAND_BUFFER", raising=False)
+        else:
+            monkeypatch.setenv("JAX_MARLIN_COMMAND_BUFFER", value)
+        assert _ffi.cuda_target() == target
