@@ -17,7 +17,7 @@
 # "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16). Stage
 # abstep builds the package once per variant and times the JAX decode step
 # (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each, under each
-# of $AB_XLA_FLAGS (default: XLA_FLAGS as it is).
+# of $AB_SETTINGS (default: the environment as it is) and $AB_XLA_FLAGS.
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -230,16 +230,22 @@ if has abstep; then
       python3 -m pip install --no-build-isolation --no-deps -q --target "/tmp/ab/py-$n" . > "$OUT/abstep-build-$n.log" 2>&1) ||
       { echo "$n: build failed"; tail -5 "$OUT/abstep-build-$n.log"; }
   done
-  # AB_XLA_FLAGS: XLA settings to time each variant under, space-separated
-  # ("default" leaves XLA_FLAGS as it is), e.g.
+  # AB_SETTINGS: settings to time each variant under, space-separated, each
+  # "default" (the environment as it is) or one VAR=value, e.g.
+  # "default JAX_MARLIN_COMMAND_BUFFER=0". AB_XLA_FLAGS: values of XLA_FLAGS
+  # to add to them ("default" as above), e.g.
   # "default --xla_gpu_enable_command_buffer=-CUSTOM_CALL".
+  settings="${AB_SETTINGS:-}"
+  for flags in ${AB_XLA_FLAGS:-}; do
+    [ "$flags" = default ] && settings="$settings default" || settings="$settings XLA_FLAGS=$flags"
+  done
   for round in 1 2; do
-    for flags in ${AB_XLA_FLAGS:-default}; do
+    for setting in ${settings:-default}; do
       for n in $names; do
         tag="$n" suffix=""
-        [ "$flags" = default ] || tag="$n [$flags]" suffix="-$(printf %s "$flags" | tr -c 'A-Za-z0-9_' _)"
+        [ "$setting" = default ] || tag="$n [$setting]" suffix="-$(printf %s "$setting" | tr -c 'A-Za-z0-9_' _)"
         log="$OUT/abstep-$n-$round$suffix.txt"
-        (cd /tmp && if [ "$flags" != default ]; then export XLA_FLAGS="$flags"; fi
+        (cd /tmp && if [ "$setting" != default ]; then export "$setting"; fi
          PYTHONPATH="/tmp/ab/py-$n" python3 "$OLDPWD/benchmarks/bench_decode_step.py" ${AB_STEP_ARGS:---ms 1 8}) > "$log" 2>&1
         grep -E "^ +[0-9]" "$log" | sed "s/^/$tag, round $round: /"
       done
