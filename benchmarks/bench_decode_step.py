@@ -30,7 +30,12 @@ unfused and fused, and fused with ``down``'s row order moved into
 ``jax_marlin.models.fuse_projections`` does), against the same steps with
 those weights in group order.
 
-    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--act-order] [--out step.json]
+``--stream N``: also N alternating rounds of the 4-bit steps (pipelined,
+unfused and fused) lowered with ``JAX_MARLIN_COMMAND_BUFFER=0`` (jm.matmul's
+calls on XLA's stream, outside its command buffers) and with the default
+target, compiled side by side in this process.
+
+    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--act-order] [--stream 2] [--out step.json]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 
@@ -47,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_marlin as jm
+from jax_marlin import _ffi
 
 HIDDEN, FFN, QKV = 4096, 14336, 6144
 
@@ -118,6 +125,28 @@ def pipelined(fn, x, weights, *, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
+def compiled_with_target(stream: bool, fn, *args):
+    """``fn`` jitted and compiled for ``args`` with jm.matmul's calls on XLA's stream or not.
+
+    ``JAX_MARLIN_COMMAND_BUFFER`` is read when jm.matmul is lowered, so it is
+    set around the lowering of a function traced for this call alone (``fn``
+    a fresh function object: no cached trace or lowering is reused).
+    """
+    name, before = "JAX_MARLIN_COMMAND_BUFFER", os.environ.get("JAX_MARLIN_COMMAND_BUFFER")
+    os.environ[name] = "0" if stream else "1"
+    try:
+        lowered = jax.jit(fn).lower(*args)
+        if jax.default_backend() == "gpu":  # the target each call lowered to
+            targets = set(re.findall(r"custom_call @(jax_marlin_\w+)", lowered.as_text()))
+            assert targets == {_ffi.MATMUL_STREAM_TARGET if stream else _ffi.MATMUL_TARGET}, targets
+        return lowered.compile()
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def act_order_blocks(block: dict, blocks: int, seed: int = 0) -> tuple[list, list, list]:
     """``block``'s weights in group order, with a random act-order, and that with down's folded.
 
@@ -146,6 +175,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--stream", type=int, default=0, metavar="ROUNDS",
+                        help="alternating rounds of the 4-bit steps on XLA's stream and in its "
+                             "command buffers")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -223,11 +255,31 @@ def main() -> None:
                   f" {t['folded_fused_ms']:>8.3f} ({t['folded_fused_ms'] / t['ordered_fused_ms'] - 1:+.1%})"
                   f" max diff {t['folded_max_rel_diff']:.1e}")
             act_rows.append(dict(m=m, **t))
+    stream_rows = []
+    if args.stream:
+        print("jm.matmul's calls in XLA's command buffers (default) / on its stream"
+              " (JAX_MARLIN_COMMAND_BUFFER=0), pipelined ms per step, alternating rounds:"
+              " unfused | fused")
+        for m in args.ms:
+            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            steps = {(stream, fused): compiled_with_target(
+                         stream, (lambda x, w: step_fused(x, w)) if fused
+                         else (lambda x, w: step(x, w, jm.matmul)), x, int4)
+                     for stream in (False, True) for fused in (False, True)}
+            for r in range(args.stream):
+                t = {(stream, fused): pipelined(f, x, int4, calls=args.calls)
+                     for (stream, fused), f in steps.items()}
+                print(f"{m:>4} round {r + 1}: {t[False, False]:>7.3f} / {t[True, False]:>7.3f}"
+                      f" | {t[False, True]:>7.3f} / {t[True, True]:>7.3f}")
+                stream_rows.append(dict(m=m, round=r + 1, default_ms=t[False, False],
+                                        stream_ms=t[True, False], default_fused_ms=t[False, True],
+                                        stream_fused_ms=t[True, True]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                            env=env, blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
-                           marlin_bytes=int4_bytes, rows=rows, act_order_rows=act_rows), f,
+                           marlin_bytes=int4_bytes, rows=rows, act_order_rows=act_rows,
+                           stream_rows=stream_rows), f,
                       indent=1)
 
 
