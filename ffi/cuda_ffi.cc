@@ -57,6 +57,14 @@ ffi::Error MatmulCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// MatmulCuda's arguments: XLA's stream and the call site's counters, then
+// the operands, results and attributes every platform's handler takes.
+auto bind_matmul_cuda() {
+  return bind_matmul(ffi::Ffi::Bind()
+                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                         .Ctx<ffi::State<ZeroedCounters>>());
+}
+
 }  // namespace
 }  // namespace jax_marlin
 
@@ -67,12 +75,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate, jax_marlin::Instan
 // missing, a memset) on the given stream; the one allocation, its call
 // site's counters at the first execution, stays outside any capture, so XLA
 // may capture the handler into a CUDA graph.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMarlinMatmulCuda, jax_marlin::MatmulCuda,
-    jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()
-                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<xla::ffi::State<jax_marlin::ZeroedCounters>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCuda, jax_marlin::MatmulCuda,
+                              jax_marlin::bind_matmul_cuda(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 // The same handler without the command-buffer trait: XLA then leaves the
 // call out of its command buffers and runs it on the stream, between them
@@ -81,8 +86,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 // own, with full dependencies on its neighbours, so a kernel's programmatic
 // dependent launch has no predecessor to overlap with; on the stream two
 // adjacent calls' kernels keep the programmatic edge.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMarlinMatmulCudaStream, jax_marlin::MatmulCuda,
-    jax_marlin::bind_matmul(xla::ffi::Ffi::Bind()
-                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<xla::ffi::State<jax_marlin::ZeroedCounters>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarlinMatmulCudaStream, jax_marlin::MatmulCuda,
+                              jax_marlin::bind_matmul_cuda());

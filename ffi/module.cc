@@ -35,17 +35,16 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
     nb::dict targets;
 #ifdef JAX_MARLIN_CUDA_MODULE
     // Two stages: instantiation makes the call site's ZeroedCounters.
-    nb::dict stages;
-    stages["instantiate"] =
-        nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
-    stages["execute"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
-    targets["jax_marlin_matmul"] = stages;
+    auto stages = [](void *execute) {
+      nb::dict d;
+      d["instantiate"] = nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
+      d["execute"] = nb::capsule(execute);
+      return d;
+    };
+    targets["jax_marlin_matmul"] = stages(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
     // The same handler, kept out of XLA's command buffers.
-    nb::dict stream_stages;
-    stream_stages["instantiate"] =
-        nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaInstantiate));
-    stream_stages["execute"] = nb::capsule(reinterpret_cast<void *>(JaxMarlinMatmulCudaStream));
-    targets["jax_marlin_matmul_stream"] = stream_stages;
+    targets["jax_marlin_matmul_stream"] =
+        stages(reinterpret_cast<void *>(JaxMarlinMatmulCudaStream));
 #else
     targets["jax_marlin_matmul"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
 #endif
