@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 
-# decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream, kFused>, mangled.
-INSTANCE = re.compile(r"decode_kernelI(6__half|13__nv_bfloat16)L(in?\d+)ELi(\d)ELb([01])ELb([01])ELb([01])E")
+# decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream, kFused, kEarly>, mangled.
+INSTANCE = re.compile(
+    r"decode_kernelI(6__half|13__nv_bfloat16)L(in?\d+)ELi(\d)ELb([01])ELb([01])ELb([01])ELb([01])E")
 
 
 def group_blocks(mangled: str) -> int:
@@ -47,9 +48,9 @@ def main() -> int:
     for line in run.stderr.splitlines():
         if m := INSTANCE.search(line):
             if "Compiling entry function" in line:
-                scalar, g, mh, z, stream, fused = m.groups()
+                scalar, g, mh, z, stream, fused, early = m.groups()
                 instance = ("half" if scalar == "6__half" else "bf16", group_blocks(g), int(mh),
-                            z == "1", stream == "1", fused == "1")
+                            z == "1", stream == "1", fused == "1", early == "1")
             continue
         if instance and (spill := re.search(r"(\d+) bytes spill stores", line)) and int(spill.group(1)):
             bad.append(f"{instance}: {spill.group(1)} bytes of spill stores")
@@ -60,7 +61,7 @@ def main() -> int:
                            "(one block per SM instead of two)")
             instance = None
     print(f"decode kernel: {seen} instances compiled; "
-          "(scalar, group_blocks, m_halves, zeros, long-stream, fused)")
+          "(scalar, group_blocks, m_halves, zeros, long-stream, fused, early weights)")
     for b in bad:
         print("  " + b)
     if seen == 0:

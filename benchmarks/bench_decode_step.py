@@ -30,12 +30,17 @@ unfused and fused, and fused with ``down``'s row order moved into
 ``jax_marlin.models.fuse_projections`` does), against the same steps with
 those weights in group order.
 
+``--chain N``: also N alternating rounds of the fused step and the step
+with ``jm.post_attention`` (``block_chain``), pipelined, with the largest
+difference between their results (bit-identical on a GPU: the same kernels).
+
 ``--stream N``: also N alternating rounds of the 4-bit steps (pipelined,
 unfused and fused) lowered with ``JAX_MARLIN_COMMAND_BUFFER=0`` (jm.matmul's
 calls on XLA's stream, outside its command buffers) and with the default
 target, compiled side by side in this process.
 
-    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--act-order] [--stream 2] [--out step.json]
+    python benchmarks/bench_decode_step.py [--ms 1 16 64] [--blocks 32] [--act-order] [--chain 2]
+        [--stream 2] [--out step.json]
 """
 
 from __future__ import annotations
@@ -79,6 +84,21 @@ def block_fused(x, w):
     x = jm.matmul(h[:, :HIDDEN], w["o"], residual=x)
     gate_up = jm.matmul(x, w["gate_up"], rms_norm_weight=ones, rms_norm_eps=1e-5)
     return jm.matmul(gate_up, w["down"], swiglu=True, residual=x)
+
+
+def block_chain(x, w):
+    """``block_fused`` with o, gate_up and down in one op (``jm.post_attention``): on CUDA
+    at m <= 8 one custom call, so a block makes two calls and the slice."""
+    ones = jnp.ones((HIDDEN,), x.dtype)
+    h = jm.matmul(x, w["qkv"], rms_norm_weight=ones, rms_norm_eps=1e-5)
+    return jm.post_attention(h[:, :HIDDEN], x, w["o"], w["gate_up"], w["down"], ones,
+                             rms_norm_eps=1e-5)
+
+
+def step_chain(x, weights):
+    for w in weights:
+        x = block_chain(x, w)
+    return x
 
 
 def step(x, weights, mm):
@@ -175,6 +195,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--chain", type=int, default=0, metavar="ROUNDS",
+                        help="alternating rounds of the fused step and the jm.post_attention step")
     parser.add_argument("--stream", type=int, default=0, metavar="ROUNDS",
                         help="alternating rounds of the 4-bit steps on XLA's stream and in its "
                              "command buffers")
@@ -255,6 +277,23 @@ def main() -> None:
                   f" {t['folded_fused_ms']:>8.3f} ({t['folded_fused_ms'] / t['ordered_fused_ms'] - 1:+.1%})"
                   f" max diff {t['folded_max_rel_diff']:.1e}")
             act_rows.append(dict(m=m, **t))
+    chain_rows = []
+    if args.chain:
+        f_chain = jax.jit(step_chain)
+        print("fused step (4 calls a block) / jm.post_attention step (2 calls a block),"
+              " pipelined ms per step, alternating rounds")
+        for m in args.ms:
+            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            yf, yc = f_fused(x, int4).astype(jnp.float32), f_chain(x, int4).astype(jnp.float32)
+            diff = float(jnp.max(jnp.abs(yc - yf)) / jnp.max(jnp.abs(yf)))
+            for r in range(args.chain):
+                tf = pipelined(f_fused, x, int4, calls=args.calls)
+                tc = pipelined(f_chain, x, int4, calls=args.calls)
+                t16 = rows[args.ms.index(m)]["fp16_pipelined_ms"]
+                print(f"{m:>4} round {r + 1}: {tf:>7.3f} / {tc:>7.3f} ({tc / tf - 1:+.1%};"
+                      f" {t16 / tc:.2f}x float16) max diff {diff:.1e}")
+                chain_rows.append(dict(m=m, round=r + 1, fused_ms=tf, chain_ms=tc,
+                                       chain_max_rel_diff=diff))
     stream_rows = []
     if args.stream:
         print("jm.matmul's calls in XLA's command buffers (default) / on its stream"
@@ -279,7 +318,7 @@ def main() -> None:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                            env=env, blocks=args.blocks, copy_tbps=tbps, fp16_bytes=fp16_bytes,
                            marlin_bytes=int4_bytes, rows=rows, act_order_rows=act_rows,
-                           stream_rows=stream_rows), f,
+                           chain_rows=chain_rows, stream_rows=stream_rows), f,
                       indent=1)
 
 

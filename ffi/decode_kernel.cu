@@ -329,7 +329,7 @@ constexpr bool fits_128() {
          (group_blocks == 8 || group_blocks == -1 || (group_blocks == 4 && !has_zeros));
 }
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
-          bool kFused>
+          bool kFused, bool kEarly>
 __global__ void __launch_bounds__(32 * kMaxWarps,
                                   fits_128<scalar_t, group_blocks, m_halves, has_zeros>() ? 2 : 1)
     decode_kernel(const DecodeParams p) {
@@ -400,14 +400,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
 
   // The first weights do not depend on the previous kernel: pull them into
   // L2 before waiting for it (L2 is coherent, so this is safe even if that
-  // kernel writes them).
+  // kernel writes them). kEarly: the first window (both windows in the
+  // long-stream schedule) goes straight into registers before the wait
+  // (below), and the short schedule's second window into L2 here.
 #pragma unroll
-  for (int j = 0; j < (kStream ? 2 : 1) * kDepth; j++)
+  for (int j = kEarly && !kStream ? kDepth : 0; j < (kStream || kEarly ? 2 : 1) * kDepth; j++)
     if (j < steps) prefetch_l2(w_ptr + int64_t(j) * w_stride);
-  // Nor does an act-order permutation: this thread's first 8 indices.
-  const int4 *perm4 = reinterpret_cast<const int4 *>(p.perm + kb0);
+  // Nor does an act-order permutation: this thread's first 8 indices. (The
+  // kEarly instances take no permutation: the chain call has none, and its
+  // registers go to the early weights.)
+  const int *const perm = kEarly ? nullptr : p.perm;
+  const int4 *perm4 = reinterpret_cast<const int4 *>(perm + kb0);
   int4 perm_first[2] = {};
-  if (p.perm && int(threadIdx.x) < k_block / 8) {
+  if (perm && int(threadIdx.x) < k_block / 8) {
     perm_first[0] = perm4[2 * threadIdx.x];
     perm_first[1] = perm4[2 * threadIdx.x + 1];
   }
@@ -417,14 +422,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   if constexpr (kXBulk) {
     // Nor do the zero rows m..m_pad-1 of x (the bulk copies fill rows
     // 0..m-1 only).
-    if (p.perm == nullptr)
+    if (perm == nullptr)
       for (int i = p.m * (k_block / 8) + threadIdx.x; i < x_rows * (k_block / 8); i += blockDim.x)
         smem[(i / (k_block / 8)) * xs_stride + i % (k_block / 8)] = make_int4(0, 0, 0, 0);
     __syncthreads();  // x_bar is set up before any thread waits on it
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n");
-
   // Weight and scale rings: step j of the window is in wq[j]; the scales of
   // the window's group q in sq[q] (thread's 8 scales: columns lane / 4 + 8 i
   // of the chunk, i.e. tile t's n and n + 8 at halves 2 t and 2 t + 1), and
@@ -463,6 +465,18 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   int4 wa[kDepth], wb[kDepth];
   int4 sa[window_groups], sb[window_groups];
   int za[window_groups], zb[window_groups];
+  // kEarly (a kernel of a jax_marlin chain call, after one of its own, which
+  // writes activations only): the first window's weights and scales are
+  // requested before the wait, so they stream while the previous kernel
+  // drains. Only there: after any other kernel the weights might be its
+  // output (weights computed in the same jit), and after a plain launch it
+  // measured 4-8% slower (benchmarks/NOTES.md, 2026-12-06).
+  if constexpr (kEarly) {
+    fill(wa, sa, za, 0);
+    if constexpr (kStream) fill(wb, sb, zb, kDepth);
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n");
 
   // x rows 0..m_pad-1 of the block's k range, zero past m. The long-stream
   // schedule leaves rows m..m_pad-1 as they are: they are column j >= m of
@@ -470,7 +484,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // columns are never reduced or written. (In a CUDA graph, skipping the zero
   // fill measured 1-3% slower on some short-stream layers at m = 1, and 3%
   // faster on others: benchmarks/NOTES.md. They keep it.)
-  if (p.perm == nullptr) {
+  if (perm == nullptr) {
     const int row_int4 = k_block / 8;
     // With swiglu a row of A is gate | up, and x is up.
     const bool swiglu = kFused && p.swiglu;
@@ -492,8 +506,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       }
       cp_async_fence();
     }
-    fill(wa, sa, za, 0);
-    if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    if constexpr (!kEarly) {
+      fill(wa, sa, za, 0);
+      if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    }
   } else {
     // Act-order: column c of the block's range is x's column perm[kb0 + c],
     // gathered here (x is small and in L2: the previous kernel has just
@@ -502,8 +518,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
     // before the wait. The first window's weights (both windows' in the
     // long-stream schedule) are requested first, so that they stream
     // meanwhile. An index out of range is clamped.
-    fill(wa, sa, za, 0);
-    if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    if constexpr (!kEarly) {
+      fill(wa, sa, za, 0);
+      if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    }
     const uint16_t *a = reinterpret_cast<const uint16_t *>(p.A);
     const int row_int4 = k_block / 8;
 #pragma unroll 2
@@ -546,7 +564,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       for (int i = 0; i < 4; i++) acc[t][h][i] = acc_g[t][h][i] = 0.f;
 
   if constexpr (kXBulk) {
-    if (p.perm == nullptr) mbar_wait(smem_addr(&x_bar), 0);
+    if (perm == nullptr) mbar_wait(smem_addr(&x_bar), 0);
   } else {
     cp_async_wait<0>();
   }
@@ -767,16 +785,17 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
 
 // Host pass and devices before sm_90: the launcher never launches it there.
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
-          bool kFused>
+          bool kFused, bool kEarly>
 __global__ void decode_kernel(const DecodeParams) {}
 
 #endif
 
 template <typename scalar_t, int group_blocks, int m_halves, bool has_zeros, bool kStream,
-          bool kFused>
+          bool kFused, bool kEarly>
 std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                    cudaStream_t stream) {
-  auto *kernel = decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream, kFused>;
+  auto *kernel =
+      decode_kernel<scalar_t, group_blocks, m_halves, has_zeros, kStream, kFused, kEarly>;
   static std::once_flag once[kMaxDevices];
   static cudaError_t attr_error[kMaxDevices];
   int device;
@@ -810,32 +829,41 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
   return {};
 }
 
-template <typename scalar_t, int group_blocks, bool has_zeros, bool kFused>
+// kEarly instances exist for the fused calls at m <= 8 without zero points
+// or a perm only: the calls of a chain (jax_marlin_post_attention) after its
+// first.
+template <typename scalar_t, int group_blocks, bool has_zeros, bool kFused, bool kEarly>
 std::string launch_m(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
                      cudaStream_t stream) {
   if (p.m > 8)
-    return launch<scalar_t, group_blocks, 2, has_zeros, false, kFused>(p, c, shared, pdl, stream);
+    return launch<scalar_t, group_blocks, 2, has_zeros, false, kFused, false>(p, c, shared, pdl,
+                                                                              stream);
   if (decode_stream(p.m, p.k_warp))
-    return launch<scalar_t, group_blocks, 1, has_zeros, true, kFused>(p, c, shared, pdl, stream);
-  return launch<scalar_t, group_blocks, 1, has_zeros, false, kFused>(p, c, shared, pdl, stream);
+    return launch<scalar_t, group_blocks, 1, has_zeros, true, kFused, kEarly>(p, c, shared, pdl,
+                                                                              stream);
+  return launch<scalar_t, group_blocks, 1, has_zeros, false, kFused, kEarly>(p, c, shared, pdl,
+                                                                             stream);
 }
 
 template <typename scalar_t, int group_blocks, bool has_zeros>
 std::string launch_fused(const DecodeParams &p, const DecodeConfig &c, int64_t shared, bool pdl,
-                         cudaStream_t stream) {
-  if (p.residual || p.norm_weight || p.swiglu)
-    return launch_m<scalar_t, group_blocks, has_zeros, true>(p, c, shared, pdl, stream);
-  return launch_m<scalar_t, group_blocks, has_zeros, false>(p, c, shared, pdl, stream);
+                         bool early, cudaStream_t stream) {
+  if (p.residual || p.norm_weight || p.swiglu) {
+    if constexpr (!has_zeros)
+      if (early) return launch_m<scalar_t, group_blocks, false, true, true>(p, c, shared, pdl, stream);
+    return launch_m<scalar_t, group_blocks, has_zeros, true, false>(p, c, shared, pdl, stream);
+  }
+  return launch_m<scalar_t, group_blocks, has_zeros, false, false>(p, c, shared, pdl, stream);
 }
 
 template <typename scalar_t, bool has_zeros>
 std::string launch_group(int64_t group_size, const DecodeParams &p, const DecodeConfig &c,
-                         int64_t shared, bool pdl, cudaStream_t stream) {
+                         int64_t shared, bool pdl, bool early, cudaStream_t stream) {
   switch (group_size) {
-    case -1: return launch_fused<scalar_t, -1, has_zeros>(p, c, shared, pdl, stream);
-    case 32: return launch_fused<scalar_t, 2, has_zeros>(p, c, shared, pdl, stream);
-    case 64: return launch_fused<scalar_t, 4, has_zeros>(p, c, shared, pdl, stream);
-    case 128: return launch_fused<scalar_t, 8, has_zeros>(p, c, shared, pdl, stream);
+    case -1: return launch_fused<scalar_t, -1, has_zeros>(p, c, shared, pdl, early, stream);
+    case 32: return launch_fused<scalar_t, 2, has_zeros>(p, c, shared, pdl, early, stream);
+    case 64: return launch_fused<scalar_t, 4, has_zeros>(p, c, shared, pdl, early, stream);
+    case 128: return launch_fused<scalar_t, 8, has_zeros>(p, c, shared, pdl, early, stream);
   }
   return "jax_marlin: the decode kernel has no instance for group_size " +
          std::to_string(group_size);
@@ -948,11 +976,13 @@ std::string decode_matmul(const void *A, const void *B, const void *s, const voi
                  static_cast<const int *>(zeros), perm, fusion.residual,
                  fusion.norm_weight, fusion.swiglu, fusion.norm_eps, float(fusion.norm_size)};
   const int64_t shared = shared_bytes(config, m, k);
+  // The early weights only where the launch may overlap the kernel before.
+  const bool early = fusion.early_weights && pdl && !perm;
   if (zeros)
-    return bf16 ? launch_group<nv_bfloat16, true>(group_size, p, config, shared, pdl, stream)
-                : launch_group<half, true>(group_size, p, config, shared, pdl, stream);
-  return bf16 ? launch_group<nv_bfloat16, false>(group_size, p, config, shared, pdl, stream)
-              : launch_group<half, false>(group_size, p, config, shared, pdl, stream);
+    return bf16 ? launch_group<nv_bfloat16, true>(group_size, p, config, shared, pdl, early, stream)
+                : launch_group<half, true>(group_size, p, config, shared, pdl, early, stream);
+  return bf16 ? launch_group<nv_bfloat16, false>(group_size, p, config, shared, pdl, early, stream)
+              : launch_group<half, false>(group_size, p, config, shared, pdl, early, stream);
 }
 
 }  // namespace marlin

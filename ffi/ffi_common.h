@@ -87,6 +87,47 @@ struct MatmulDims {
   bool x_copy() const { return has_perm || has_norm || swiglu; }
 };
 
+// A weight's sizes, read from its packed buffers.
+struct WeightDims {
+  int64_t k, n;
+  bool has_zeros;  // zeros has [g, n / 8] elements (otherwise zero point 8)
+};
+
+// "<target>: <why>" as an invalid-argument error (an ErrorOr holds it too).
+inline ffi::Error invalid_argument(const char *target, const std::string &why) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + why);
+}
+
+// A packed weight (qweight, scales in `dtype`, zeros) and its group size: the
+// shapes must agree with each other and with the kernels' rules for a
+// product of m rows (marlin::check_problem). `name` prefixes the messages
+// ("" for jax_marlin_matmul's one weight, "gate_up " for a chain's).
+inline ffi::ErrorOr<WeightDims> check_weight(const char *target, const std::string &name,
+                                             const ffi::Buffer<ffi::S32, 2> &qweight,
+                                             const ffi::AnyBuffer &scales,
+                                             const ffi::Buffer<ffi::S32, 2> &zeros,
+                                             ffi::DataType dtype, int64_t m,
+                                             int64_t group_size) {
+  auto s = [](int64_t v) { return std::to_string(v); };
+  auto qd = qweight.dimensions(), sd = scales.dimensions();
+  if (scales.element_type() != dtype)
+    return invalid_argument(target, name + "scales must have x's dtype");
+  if (qd[1] % 2 != 0)
+    return invalid_argument(target, name + "qweight.shape[1] = " + s(qd[1]) + " must be even (2 n)");
+  const int64_t k = qd[0] * marlin::kTile, n = qd[1] / 2;
+  if (std::string why = marlin::check_problem(m, n, k, group_size); !why.empty())
+    return invalid_argument(target, name + why);
+  const int64_t groups = group_size == -1 ? 1 : k / group_size;
+  if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
+    return invalid_argument(target, name + "scales must have shape [" + s(groups) + ", " + s(n) + "]");
+  auto zd = zeros.dimensions();
+  const bool has_zeros = zd[0] != 0 || zd[1] != 0;
+  if (has_zeros && (zd[0] != groups || zd[1] != n / 8))
+    return invalid_argument(target, name + "zeros must have shape [" + s(groups) + ", " +
+                                        s(n / 8) + "] or [0, 0] (zero point 8)");
+  return WeightDims{k, n, has_zeros};
+}
+
 // Re-checks at run time what jax_marlin/shapes.py checks at trace time, so a
 // call that bypasses the Python API gets an error instead of a bad access.
 inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
@@ -103,9 +144,7 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
                                              int64_t group_size, float norm_eps,
                                              int64_t norm_size, bool swiglu) {
   auto s = [](int64_t v) { return std::to_string(v); };
-  auto invalid = [](std::string why) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument("jax_marlin_matmul: " + why));
-  };
+  auto invalid = [](std::string why) { return invalid_argument("jax_marlin_matmul", why); };
   const ffi::DataType dtype = x.element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16)
     return invalid("x must be float16 or bfloat16");
@@ -113,26 +152,19 @@ inline ffi::ErrorOr<MatmulDims> check_matmul(const ffi::AnyBuffer &x,
       residual.element_type() != dtype || norm_weight.element_type() != dtype ||
       y.element_type() != dtype)
     return invalid("x, scales, bias, residual, norm_weight and y must have one dtype");
-  auto xd = x.dimensions(), qd = qweight.dimensions(), sd = scales.dimensions(),
-       bd = bias.dimensions(), yd = y.dimensions();
+  auto xd = x.dimensions(), qd = qweight.dimensions(), bd = bias.dimensions(),
+       yd = y.dimensions();
   if (xd.size() < 1) return invalid("x must have at least one dimension");
-  const int64_t k = qd[0] * marlin::kTile, n = qd[1] / 2;
-  if (qd[1] % 2 != 0) return invalid("qweight.shape[1] = " + s(qd[1]) + " must be even (2 n)");
+  const int64_t k = qd[0] * marlin::kTile;
   const int64_t x_cols = swiglu ? 2 * k : k;
   if (xd.back() != x_cols)
     return invalid("x.shape[-1] = " + s(xd.back()) + " but qweight packs k = " + s(k) +
                    (swiglu ? " (with swiglu x holds gate | up, 2 k = " + s(x_cols) + ")" : ""));
   const int64_t m = k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / x_cols;
-  if (std::string why = marlin::check_problem(m, n, k, group_size); !why.empty())
-    return invalid(why);
-  const int64_t groups = group_size == -1 ? 1 : k / group_size;
-  if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
-    return invalid("scales must have shape [" + s(groups) + ", " + s(n) + "]");
-  auto zd = zeros.dimensions();
-  const bool has_zeros = zd[0] != 0 || zd[1] != 0;
-  if (has_zeros && (zd[0] != groups || zd[1] != n / 8))
-    return invalid("zeros must have shape [" + s(groups) + ", " + s(n / 8) +
-                   "] or [0, 0] (zero point 8)");
+  auto weight = check_weight("jax_marlin_matmul", "", qweight, scales, zeros, dtype, m, group_size);
+  if (weight.has_error()) return weight.error();
+  const int64_t n = weight->n;
+  const bool has_zeros = weight->has_zeros;
   const int64_t perm_size = perm.dimensions()[0];
   if (perm_size != k && perm_size != 0)
     return invalid("perm must have shape [" + s(k) + "] or [0] (no act-order)");

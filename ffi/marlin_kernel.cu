@@ -23,7 +23,9 @@ namespace {
 // Marlin kernel: JAX_MARLIN_DECODE=0 keeps m <= 16 off the decode kernel, and
 // "cw,kw,s" forces a decode configuration; JAX_MARLIN_PREFILL=0 keeps m >= 64
 // off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode and prefill
-// kernels' programmatic dependent launch off. Read once per process. (PDL
+// kernels' programmatic dependent launch off; JAX_MARLIN_EARLY_WEIGHTS=0 the
+// decode kernel's early weights in a chain call (Fusion::early_weights), for
+// measurements. Read once per process. (PDL
 // overlaps a kernel with the one before it on the stream: within one call,
 // e.g. the act-order pass and its kernel, and between calls on a plain
 // stream. XLA records each custom call into its command buffer as a child
@@ -34,6 +36,7 @@ struct KernelPolicy {
   bool decode = true;
   bool prefill = true;
   bool pdl = true;
+  bool early_weights = true;
   DecodeConfig forced;
 };
 
@@ -47,6 +50,7 @@ const KernelPolicy &kernel_policy() {
     p.decode = !off("JAX_MARLIN_DECODE");
     p.prefill = !off("JAX_MARLIN_PREFILL");
     p.pdl = !off("JAX_MARLIN_PDL");
+    p.early_weights = !off("JAX_MARLIN_EARLY_WEIGHTS");
     if (const char *v = std::getenv("JAX_MARLIN_DECODE"))
       if (std::sscanf(v, "%d,%d,%d", &p.forced.cw, &p.forced.kw, &p.forced.s) != 3)
         p.forced = DecodeConfig{};
@@ -373,6 +377,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   if (decode.valid()) {
     inside.residual = fusion.residual;
     if (!perm) inside = fusion;
+    inside.early_weights = fusion.early_weights && policy.early_weights;
   }
   if (fusion.prologue() && !inside.prologue()) {
     void *x_prime = reduce_scratch + permuted_x_offset(m, n, k);

@@ -43,6 +43,11 @@ struct Fusion {
   bool swiglu = false;
   float norm_eps = 0.f;
   int64_t norm_size = 0;              // the logical k the mean divides by
+  // Not a fusion: the caller vouches that the kernel before this call's on
+  // the stream writes nothing the call reads as its weight (it is the
+  // previous call of one jax_marlin chain, which writes activations only), so
+  // the decode kernel may load its first weights before waiting for it.
+  bool early_weights = false;
   bool prologue() const { return norm_weight != nullptr || swiglu; }
 };
 

@@ -22,6 +22,8 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinMatmulCudaStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinPostAttentionCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMarlinPostAttentionCudaStream);
 #define JAX_MARLIN_MODULE _marlin_cuda
 #define JAX_MARLIN_MATMUL JaxMarlinMatmulCuda
 #else
@@ -45,6 +47,12 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
     // The same handler, kept out of XLA's command buffers.
     targets["jax_marlin_matmul_stream"] =
         stages(reinterpret_cast<void *>(JaxMarlinMatmulCudaStream));
+    // o, gate_up and down of a decoder block in one call (post_attention.cc),
+    // with the same per-call-site counters.
+    targets["jax_marlin_post_attention"] =
+        stages(reinterpret_cast<void *>(JaxMarlinPostAttentionCuda));
+    targets["jax_marlin_post_attention_stream"] =
+        stages(reinterpret_cast<void *>(JaxMarlinPostAttentionCudaStream));
 #else
     targets["jax_marlin_matmul"] = nb::capsule(reinterpret_cast<void *>(JAX_MARLIN_MATMUL));
 #endif
@@ -90,6 +98,8 @@ NB_MODULE(JAX_MARLIN_MODULE, m) {
       "(thread_k, thread_n, threads) of the tile the launcher runs [m, k] x [k, n] with, or None.");
   m.def("workspace_size", &marlin::workspace_size, nb::arg("m"), nb::arg("n"),
         "int32 counters a CUDA call needs for an [m, n] output.");
+  m.def("chained_size", &marlin::chained_size, nb::arg("elements"),
+        "A region of a chain call's workspace or scratch: elements rounded up to 32.");
   m.def("reduce_scratch_size", &marlin::reduce_scratch_size, nb::arg("m"), nb::arg("n"),
         nb::arg("k"), nb::arg("x_copy") = false,
         "float32 elements of the CUDA call's reduce_scratch: partial sums handed between thread "

@@ -40,4 +40,10 @@ inline int64_t reduce_scratch_size(int64_t m, int64_t n, int64_t k, bool x_copy)
   return x_copy ? permuted_x_offset(m, n, k) + (m * k + 1) / 2 : partials_size(m, n, k);
 }
 
+// A chain of calls in one custom call (jax_marlin_post_attention) gives each
+// call its own region of the workspace and of the scratch: each region's
+// size rounded up to 32 elements (128 bytes), so every region starts on a
+// 128-byte boundary as XLA's buffers do.
+inline int64_t chained_size(int64_t elements) { return (elements + 31) / 32 * 32; }
+
 }  // namespace marlin

@@ -4,10 +4,12 @@
     w = jm.quantize(weight, group_size=128)   # weight [k, n] float -> 4 bits, float16 scales
     y = jm.matmul(x, w, bias=b)               # x [..., k] float16 -> [..., n] float16
     wqkv = jm.concatenate([wq, wk, wv])       # [k, n_i] -> [k, sum n_i]: one call for three
+    y = jm.post_attention(a, x, wo, wgate_up, wdown, norm_scale)  # o, RMSNorm, MLP: one op
 """
 
 from jax_marlin import reference
 from jax_marlin._ffi import HAS_CUDA
+from jax_marlin.chain import post_attention
 from jax_marlin.ops import matmul
 from jax_marlin.packing import (MarlinWeight, concatenate, dequantize, pack, permute_columns,
                                 quantize, unpack)
@@ -26,6 +28,7 @@ __all__ = [
     "pack",
     "padded_shape",
     "permute_columns",
+    "post_attention",
     "quantize",
     "reference",
     "shard_weight",

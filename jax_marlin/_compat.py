@@ -25,5 +25,22 @@ def requires_devices_during_lowering(primitive) -> None:
     dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
-__all__ = ["Primitive", "ShapedArray", "Tracer", "ad", "batching", "ir", "mlir",
-           "requires_devices_during_lowering"]
+def lowers_per_device(ctx) -> bool:
+    """Whether the lowering context ``ctx`` lowers code that one device runs on its own data.
+
+    True for a program of one device, inside ``shard_map`` with every mesh
+    axis manual (each device runs the body on its shard), and under ``pmap``;
+    false where XLA's SPMD partitioner will split the program over several
+    devices afterwards (a custom call without a partitioning rule would then
+    have its operands gathered).
+    """
+    context = ctx.module_context.axis_context
+    if hasattr(context, "num_devices"):  # ShardingContext: jit
+        return context.num_devices == 1
+    if hasattr(context, "manual_axes"):  # SPMDAxisContext: shard_map
+        return set(context.manual_axes) == set(context.mesh.axis_names)
+    return True  # ReplicaAxisContext: pmap
+
+
+__all__ = ["Primitive", "ShapedArray", "Tracer", "ad", "batching", "ir", "lowers_per_device",
+           "mlir", "requires_devices_during_lowering"]

@@ -3,8 +3,8 @@ group size, a fused bias, padded odd shapes and awkward batch sizes, weights
 with zero points or act-order, and the fused RMSNorm, SwiGLU and residual, on
 the decode, Marlin and prefill kernels, for compute-sanitizer
 (benchmarks/gpu_run.sh, stage sanitize).
-``python sanitize_cases.py zeros`` (or ``act-order``, ``fusion``) runs those
-cases alone; ``fusion 16`` the fused cases at m <= 16.
+``python sanitize_cases.py zeros`` (or ``act-order``, ``fusion``, ``chain``) runs
+those cases alone; ``fusion 16`` the fused cases at m <= 16.
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_marlin as jm
+from jax_marlin.chain import _post_attention
 from jax_marlin.ops import _matmul
 
 F16, BF16 = jnp.float16, jnp.bfloat16
@@ -87,6 +88,16 @@ FUSION_CASES = [
 ]
 
 
+# jm.post_attention (o, gate_up, down in one call at m <= 8, the last two
+# kernels loading their first weights before the PDL wait): (k_o, hidden, f,
+# group_size, dtype, zero points on gate_up, ms); m = 9 takes three calls.
+CHAIN_CASES = [
+    (4096, 4096, 14336, 128, F16, False, [1, 2, 8]),
+    (1024, 1024, 2048, -1, BF16, False, [1, 5, 9]),
+    (1024, 1024, 2048, 64, F16, True, [3]),
+]
+
+
 def imported_weight(k, n, group_size, dtype, zeros, act_order):
     kq, kz, ks, kg = jax.random.split(key, 4)
     groups = 1 if group_size == -1 else -(-k // group_size)
@@ -133,6 +144,37 @@ def fused_cases(max_m):
     return total, bad
 
 
+@jax.jit
+def run_chain(a, x, o, gate_up, down, norm_weight):
+    return _post_attention(a, x, o, gate_up, down, norm_weight, rms_norm_eps=1e-5,
+                           poison_output=True)
+
+
+def chain_cases():
+    """Runs CHAIN_CASES; returns (cases, cases with a non-finite output)."""
+    total = bad = 0
+    for k_o, hidden, f, group_size, dtype, zeros, ms in CHAIN_CASES:
+        def weight(k, n, scale_key):
+            return jm.quantize(jax.random.normal(scale_key, (k, n)) * k ** -0.5,
+                               group_size=group_size, dtype=dtype)
+        keys = jax.random.split(key, 4)
+        o, down = weight(k_o, hidden, keys[0]), weight(f, hidden, keys[1])
+        gate_up = (imported_weight(hidden, 2 * f, group_size, dtype, True, False) if zeros
+                   else weight(hidden, 2 * f, keys[2]))
+        norm_weight = (1 + 0.1 * jax.random.normal(keys[3], (hidden,))).astype(dtype)
+        for m in ms:
+            a = jax.random.normal(key, (m, k_o), dtype)
+            x = jax.random.normal(keys[3], (m, hidden), dtype)
+            y = jax.block_until_ready(run_chain(a, x, o, gate_up, down, norm_weight))
+            finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
+            bad += not finite
+            total += 1
+            print(f"post_attention k_o={k_o} hidden={hidden} f={f} g={group_size} "
+                  f"{jnp.dtype(dtype).name}{' zeros' if zeros else ''} m={m}: "
+                  f"{'ok' if finite else 'NOT FINITE'}", flush=True)
+    return total, bad
+
+
 key = jax.random.key(0)
 bad = 0
 total = 0
@@ -143,6 +185,9 @@ mode = sys.argv[1] if len(sys.argv) > 1 else "all"
 if mode in ("all", "fusion"):
     # `fusion 16`: the decode kernel's cases alone (racecheck is slow).
     total, bad = fused_cases(int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 30)
+if mode in ("all", "chain"):
+    chain_total, chain_bad = chain_cases()
+    total, bad = total + chain_total, bad + chain_bad
 cases = [(kind, case) for kind, kind_cases in KINDS.items() if mode in ("all", kind)
          for case in kind_cases]
 for kind, (k, n, group_size, dtype, with_bias, ms) in cases:

@@ -19,7 +19,8 @@ one ``qkv`` layer and gate, up into ``gate_up`` (4 matmuls a block, not 7):
 
 With 4-bit weights in float16 or bfloat16, the fused block also runs its
 RMSNorms, SwiGLU and residual adds inside the four matmuls (``Block.fused``;
-the logits then move by float32 rounding).
+the logits then move by float32 rounding), and everything after attention
+(``o``, the MLP and both residual adds) as one ``jm.post_attention``.
 
 RoPE rotates the two halves of each head (``x[:d/2]``, ``x[d/2:]``), the
 Hugging Face layout of the Q and K projection rows; checkpoints that store
@@ -136,7 +137,8 @@ class Attention(nnx.Module):
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         return jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
 
-    def __call__(self, x, pos, cache_k=None, cache_v=None, *, norm=None, residual=None):
+    def __call__(self, x, pos, cache_k=None, cache_v=None, *, norm=None, residual=None,
+                 project_out=True):
         """``x [b, s, hidden]`` at positions ``pos .. pos + s - 1``.
 
         Without a cache the keys are this ``x``'s own (causal). With one
@@ -148,6 +150,8 @@ class Attention(nnx.Module):
         fused block (``Block``, 4-bit joined projections only): ``x`` is then
         the un-normalized stream, normalized inside the ``qkv`` matmul, and
         ``y`` includes ``residual``, added inside the ``o`` matmul.
+        ``project_out=False``: ``y`` is the heads' output before ``o``
+        (``[b, s, heads hd]``), for a caller that runs ``o`` itself.
         """
         c = self.config
         b, s, _ = x.shape
@@ -177,6 +181,8 @@ class Attention(nnx.Module):
         out = jnp.einsum("bgqt,bgtd->bgqd", probs, v, preferred_element_type=jnp.float32)
         out = out.reshape(b, c.num_heads, s, c.head_dim).transpose(0, 2, 1, 3).reshape(b, s, -1)
         out = out.astype(x.dtype)
+        if not project_out:
+            return out, cache_k, cache_v
         y = self.o(out) if residual is None else self.o(out, residual=residual)
         return y, cache_k, cache_v
 
@@ -270,7 +276,20 @@ class Block(nnx.Module):
 
     def __call__(self, x, pos=0, cache_k=None, cache_v=None):
         """``x [b, s, hidden]`` -> ``(x [b, s, hidden], cache_k, cache_v)``."""
-        if self.fused(x):  # four kernel calls, and the attention between them
+        if self.fused(x):
+            if all(layer.bias is None for layer in (self.attn.o, self.mlp.gate_up, self.mlp.down)):
+                # Two ops and the attention between them: o, the MLP's RMSNorm,
+                # gate_up, SwiGLU, down and both residual adds are one
+                # jm.post_attention (one custom call at decode batch sizes on
+                # Hopper).
+                out, cache_k, cache_v = self.attn(x, pos, cache_k, cache_v,
+                                                  norm=self.attn_norm, project_out=False)
+                y = jm.post_attention(
+                    out, x, self.attn.o.weight.get_value(), self.mlp.gate_up.weight.get_value(),
+                    self.mlp.down.weight.get_value(), self.mlp_norm.scale[...].astype(x.dtype),
+                    rms_norm_eps=self.mlp_norm.epsilon)
+                return y, cache_k, cache_v
+            # Four kernel calls, and the attention between them.
             x, cache_k, cache_v = self.attn(x, pos, cache_k, cache_v, norm=self.attn_norm,
                                             residual=x)
             return self.mlp(x, norm=self.mlp_norm, residual=x), cache_k, cache_v
