@@ -443,11 +443,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // Word 8 chunk + lane / 4 of a row of zero points: the same 8 columns.
   const int z_stride = p.n / 8;
   const int *z_ptr = p.zeros + 8 * chunk + lane / 4;
-  auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int (&zg)[window_groups],
-                  int base) {
+  auto fill_weights = [&](int4 (&w)[kDepth], int base) {
 #pragma unroll
     for (int j = 0; j < kDepth; j++)
       w[j] = load_stream(w_ptr + int64_t(base + j) * w_stride, base + j < steps);
+  };
+  auto fill_scales = [&](int4 (&sg)[window_groups], int (&zg)[window_groups], int base) {
     if constexpr (grouped) {
 #pragma unroll
       for (int q = 0; q < window_groups; q++)
@@ -462,18 +463,25 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       }
     }
   };
+  auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int (&zg)[window_groups],
+                  int base) {
+    fill_weights(w, base);
+    fill_scales(sg, zg, base);
+  };
   int4 wa[kDepth], wb[kDepth];
   int4 sa[window_groups], sb[window_groups];
   int za[window_groups], zb[window_groups];
   // kEarly (a kernel of a jax_marlin chain call, after one of its own, which
-  // writes activations only): the first window's weights and scales are
-  // requested before the wait, so they stream while the previous kernel
-  // drains. Only there: after any other kernel the weights might be its
+  // writes activations only): the first window's weights and scales (and in
+  // the long-stream schedule the second window's weights; its scales after
+  // the wait: requested before it too, ptxas spilled 4 bytes at 128
+  // registers) are requested before the wait, so they stream while the
+  // previous kernel drains. Only there: after any other kernel the weights might be its
   // output (weights computed in the same jit), and after a plain launch it
   // measured 4-8% slower (benchmarks/NOTES.md, 2026-12-06).
   if constexpr (kEarly) {
     fill(wa, sa, za, 0);
-    if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    if constexpr (kStream) fill_weights(wb, kDepth);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n");
@@ -509,6 +517,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
     if constexpr (!kEarly) {
       fill(wa, sa, za, 0);
       if constexpr (kStream) fill(wb, sb, zb, kDepth);
+    } else if constexpr (kStream) {
+      fill_scales(sb, zb, kDepth);
     }
   } else {
     // Act-order: column c of the block's range is x's column perm[kb0 + c],
@@ -517,7 +527,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
     // threads have loads in flight; the first item's indices were read
     // before the wait. The first window's weights (both windows' in the
     // long-stream schedule) are requested first, so that they stream
-    // meanwhile. An index out of range is clamped.
+    // meanwhile. An index out of range is clamped. (Not taken by the kEarly
+    // instances, whose perm is null.)
     if constexpr (!kEarly) {
       fill(wa, sa, za, 0);
       if constexpr (kStream) fill(wb, sb, zb, kDepth);
