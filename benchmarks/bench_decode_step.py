@@ -31,8 +31,10 @@ unfused and fused, and fused with ``down``'s row order moved into
 those weights in group order.
 
 ``--chain N``: also N alternating rounds of the fused step and the step
-with ``jm.post_attention`` (``block_chain``), pipelined, with the largest
-difference between their results (bit-identical on a GPU: the same kernels).
+with ``jm.post_attention`` (``block_chain``, lowered with
+``JAX_MARLIN_CHAIN_CALL=1``: its single custom call at m <= 8), pipelined,
+with the largest difference between their results (bit-identical on a GPU:
+the same kernels).
 
 ``--stream N``: also N alternating rounds of the 4-bit steps (pipelined,
 unfused and fused) lowered with ``JAX_MARLIN_COMMAND_BUFFER=0`` (jm.matmul's
@@ -145,26 +147,35 @@ def pipelined(fn, x, weights, *, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
-def compiled_with_target(stream: bool, fn, *args):
-    """``fn`` jitted and compiled for ``args`` with jm.matmul's calls on XLA's stream or not.
+def compiled_with_env(env: dict, fn, *args, targets=None):
+    """``fn`` jitted and compiled for ``args`` with the environment variables ``env`` set.
 
-    ``JAX_MARLIN_COMMAND_BUFFER`` is read when jm.matmul is lowered, so it is
-    set around the lowering of a function traced for this call alone (``fn``
-    a fresh function object: no cached trace or lowering is reused).
+    ``JAX_MARLIN_COMMAND_BUFFER`` and ``JAX_MARLIN_CHAIN_CALL`` are read when
+    the ops are lowered, so they are set around the lowering of a function
+    traced for this call alone (``fn`` a fresh function object: no cached
+    trace or lowering is reused). ``targets``: the custom-call targets the
+    lowering must hold (checked on a GPU).
     """
-    name, before = "JAX_MARLIN_COMMAND_BUFFER", os.environ.get("JAX_MARLIN_COMMAND_BUFFER")
-    os.environ[name] = "0" if stream else "1"
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         lowered = jax.jit(fn).lower(*args)
-        if jax.default_backend() == "gpu":  # the target each call lowered to
-            targets = set(re.findall(r"custom_call @(jax_marlin_\w+)", lowered.as_text()))
-            assert targets == {_ffi.MATMUL_STREAM_TARGET if stream else _ffi.MATMUL_TARGET}, targets
+        if targets is not None and jax.default_backend() == "gpu":
+            found = set(re.findall(r"custom_call @(jax_marlin_\w+)", lowered.as_text()))
+            assert found == set(targets), found
         return lowered.compile()
     finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def compiled_with_target(stream: bool, fn, *args):
+    """``fn`` compiled with jm.matmul's calls on XLA's stream or in its command buffers."""
+    return compiled_with_env(dict(JAX_MARLIN_COMMAND_BUFFER="0" if stream else "1"), fn, *args,
+                             targets=[_ffi.MATMUL_STREAM_TARGET if stream else _ffi.MATMUL_TARGET])
 
 
 def act_order_blocks(block: dict, blocks: int, seed: int = 0) -> tuple[list, list, list]:
@@ -279,11 +290,16 @@ def main() -> None:
             act_rows.append(dict(m=m, **t))
     chain_rows = []
     if args.chain:
-        f_chain = jax.jit(step_chain)
-        print("fused step (4 calls a block) / jm.post_attention step (2 calls a block),"
-              " pipelined ms per step, alternating rounds")
+        print("fused step (4 calls a block) / jm.post_attention step (2 calls a block: its"
+              " single call, JAX_MARLIN_CHAIN_CALL=1, at m <= 8), pipelined ms per step,"
+              " alternating rounds")
         for m in args.ms:
             x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            single = m <= 8
+            f_chain = compiled_with_env(
+                dict(JAX_MARLIN_CHAIN_CALL="1"), lambda x, w: step_chain(x, w), x, int4,
+                targets=(["jax_marlin_matmul", "jax_marlin_post_attention"] if single
+                         else ["jax_marlin_matmul"]))
             yf, yc = f_fused(x, int4).astype(jnp.float32), f_chain(x, int4).astype(jnp.float32)
             diff = float(jnp.max(jnp.abs(yc - yf)) / jnp.max(jnp.abs(yf)))
             for r in range(args.chain):

@@ -10,7 +10,8 @@ It is exactly the three fused ``jm.matmul`` calls a block would make
 (``o`` with the residual ``x``, ``gate_up`` with the RMSNorm prologue,
 ``down`` with SwiGLU and the residual ``h``), which is how it runs on the CPU
 and wherever the fused CUDA call does not apply. On CUDA at decode batch sizes
-the three run in one custom call (``ffi/post_attention.cc``): XLA records each
+the three can run as one custom call (``ffi/post_attention.cc``; opt-in for now,
+``single_call_enabled``): XLA records each
 custom call into its command buffer as a child graph that starts when the one
 before it has finished, so between separate calls a kernel cannot overlap the
 previous one's tail; inside one call the kernels keep their programmatic
@@ -23,6 +24,7 @@ to the three calls.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +51,12 @@ def post_attention(a, x, o: MarlinWeight, gate_up: MarlinWeight, down: MarlinWei
         g = jm.matmul(h, gate_up, rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps)
         y = jm.matmul(g, down, swiglu=True, residual=h)
 
-    Why a single op: on Hopper at ``m <= 8`` rows it runs as one custom call
-    whose three kernels overlap each other's ramp and tail (see the module
-    docstring); elsewhere (CPU, more rows, act-order or padded weights,
-    inputs sharded over several devices) it runs as those three calls.
+    Why a single op: on Hopper at ``m <= 8`` rows it can run as one custom
+    call whose three kernels overlap each other's ramp and tail (see the
+    module docstring; with ``JAX_MARLIN_CHAIN_CALL=1`` until it has been
+    measured on a GPU); elsewhere (CPU, more rows, act-order or padded
+    weights, inputs sharded over several devices) it runs as those three
+    calls.
 
     Args:
       a: ``[..., k_o]`` float16 or bfloat16, the attention output (heads
@@ -195,11 +199,23 @@ def _fused_call(*operands, trees, norm_eps, poison_output, target):
     return y
 
 
+def single_call_enabled() -> bool:
+    """Whether ``JAX_MARLIN_CHAIN_CALL=1`` is set (read when the op is lowered).
+
+    The single custom call is opt-in until it has run on a GPU: it was built
+    and checked on the CPU (its lowering route, the CUDA sources compiled,
+    ptxas clean) but no GPU was available to run its tests and measure it
+    (benchmarks/NOTES.md, 2026-12-07). Without the setting the op lowers to
+    the three calls everywhere, which is the same function.
+    """
+    return os.environ.get("JAX_MARLIN_CHAIN_CALL") == "1"
+
+
 def _fuses(ctx, trees) -> bool:
-    """Whether a CUDA lowering takes the single call: decode batch sizes (``m <= 8``,
-    where the decode kernel runs the fusions), weights in group order and
+    """Whether a CUDA lowering takes the single call: enabled, decode batch sizes
+    (``m <= 8``, where the decode kernel runs the fusions), weights in group order and
     unpadded, lowered for one device (or per shard in ``shard_map``)."""
-    if not _ffi.HAS_CUDA or not lowers_per_device(ctx):
+    if not single_call_enabled() or not _ffi.HAS_CUDA or not lowers_per_device(ctx):
         return False
     m = int(np.prod(ctx.avals_in[0].shape[:-1], dtype=np.int64))
     if not 1 <= m <= FUSED_MAX_M:

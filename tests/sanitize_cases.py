@@ -10,6 +10,7 @@ Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
 """
 
+import os
 import sys
 
 import jax
@@ -151,7 +152,9 @@ def run_chain(a, x, o, gate_up, down, norm_weight):
 
 
 def chain_cases():
-    """Runs CHAIN_CASES; returns (cases, cases with a non-finite output)."""
+    """Runs CHAIN_CASES through the single custom call; returns (cases, cases with a
+    non-finite output)."""
+    os.environ["JAX_MARLIN_CHAIN_CALL"] = "1"  # read when run_chain is lowered
     total = bad = 0
     for k_o, hidden, f, group_size, dtype, zeros, ms in CHAIN_CASES:
         def weight(k, n, scale_key):

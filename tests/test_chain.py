@@ -240,6 +240,7 @@ def test_eps_must_be_a_static_non_negative_float(rng):
 def cuda_targets(monkeypatch, fn, *args, stream=False) -> list[str]:
     """The custom-call targets of ``fn`` lowered for CUDA (cross-lowered: no GPU needed)."""
     monkeypatch.setattr(_ffi, "HAS_CUDA", True)
+    monkeypatch.setenv("JAX_MARLIN_CHAIN_CALL", "1")
     monkeypatch.setenv("JAX_MARLIN_COMMAND_BUFFER", "0" if stream else "1")
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return re.findall(r"custom_call @(\w+)", lowered.as_text())
@@ -268,6 +269,18 @@ def test_cuda_lowering_route(rng, monkeypatch, m, kind, targets):
     assert cuda_targets(monkeypatch, fn, a, x, stream=kind == "stream") == targets
 
 
+def test_the_single_call_is_opt_in(rng, monkeypatch):
+    o, gate_up, down, norm_weight = block_weights(rng, SMALL, np.float16)
+    a, x = inputs(rng, (1,), SMALL, np.float16)
+    def fn(a, x):  # a new function object for each lowering: none is reused from a cache
+        return jm.post_attention(a, x, o, gate_up, down, norm_weight)
+
+    assert cuda_targets(monkeypatch, fn, a, x) == ["jax_marlin_post_attention"]
+    monkeypatch.delenv("JAX_MARLIN_CHAIN_CALL")
+    lowered = jax.jit(lambda a, x: fn(a, x)).trace(a, x).lower(lowering_platforms=("cuda",))
+    assert re.findall(r"custom_call @(\w+)", lowered.as_text()) == ["jax_marlin_matmul"] * 3
+
+
 def test_cuda_lowering_of_a_sharded_program_takes_the_three_calls(rng, monkeypatch):
     # Split over several devices by XLA's partitioner, the single call (no
     # partitioning rule) would have its operands gathered; the three calls
@@ -290,6 +303,12 @@ def gpu(a):
     return jax.device_put(a, jax.devices("gpu")[0])
 
 
+@pytest.fixture
+def single_call(monkeypatch):
+    """The GPU tests run the single custom call (opt-in: jax_marlin.chain)."""
+    monkeypatch.setenv("JAX_MARLIN_CHAIN_CALL", "1")
+
+
 # (k_o, hidden, f): a small block, and Llama-3-8B's (the decode table's
 # configurations, gate_up on the long-stream schedule at m <= 2).
 GPU_SIZES = [(1024, 1024, 2048), (4096, 4096, 14336)]
@@ -300,7 +319,7 @@ GPU_SIZES = [(1024, 1024, 2048), (4096, 4096, 14336)]
 @pytest.mark.parametrize("sizes", GPU_SIZES, ids=["small", "8b"])
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.gpu
-def test_gpu_equals_the_three_calls_and_float64(rng, sizes, dtype, m, group_size):
+def test_gpu_equals_the_three_calls_and_float64(rng, single_call, sizes, dtype, m, group_size):
     if sizes == GPU_SIZES[1] and (group_size == -1 or np.dtype(dtype) != np.float16):
         pytest.skip("the 8B sizes in float16 g128 only (time)")
     o, gate_up, down, norm_weight = block_weights(rng, sizes, dtype, group_size,
@@ -321,7 +340,7 @@ def test_gpu_equals_the_three_calls_and_float64(rng, sizes, dtype, m, group_size
 
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.gpu
-def test_gpu_one_call_and_the_stream_target(rng, monkeypatch, m):
+def test_gpu_one_call_and_the_stream_target(rng, monkeypatch, single_call, m):
     # At m <= 8 the op is one custom call, on either target (command buffers
     # or the stream), with the same result; zero points take the kernels
     # without the early weights.

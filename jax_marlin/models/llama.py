@@ -280,8 +280,9 @@ class Block(nnx.Module):
             if all(layer.bias is None for layer in (self.attn.o, self.mlp.gate_up, self.mlp.down)):
                 # Two ops and the attention between them: o, the MLP's RMSNorm,
                 # gate_up, SwiGLU, down and both residual adds are one
-                # jm.post_attention (one custom call at decode batch sizes on
-                # Hopper).
+                # jm.post_attention (the same three kernel calls, or with
+                # JAX_MARLIN_CHAIN_CALL=1 one custom call at decode batch
+                # sizes on Hopper).
                 out, cache_k, cache_v = self.attn(x, pos, cache_k, cache_v,
                                                   norm=self.attn_norm, project_out=False)
                 y = jm.post_attention(
