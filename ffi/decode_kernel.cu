@@ -400,9 +400,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
 
   // The first weights do not depend on the previous kernel: pull them into
   // L2 before waiting for it (L2 is coherent, so this is safe even if that
-  // kernel writes them). kEarly: the first window (both windows in the
-  // long-stream schedule) goes straight into registers before the wait
-  // (below), and the short schedule's second window into L2 here.
+  // kernel writes them). kEarly: the short schedule's first window goes
+  // straight into registers before the wait (below), its second into L2
+  // here; the long-stream schedule keeps this prefetch of both windows
+  // (without it ptxas spilled at 128 registers) and requests both windows'
+  // weights into registers as well.
 #pragma unroll
   for (int j = kEarly && !kStream ? kDepth : 0; j < (kStream || kEarly ? 2 : 1) * kDepth; j++)
     if (j < steps) prefetch_l2(w_ptr + int64_t(j) * w_stride);
@@ -476,9 +478,9 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
   // the long-stream schedule the second window's weights; its scales after
   // the wait: requested before it too, ptxas spilled 4 bytes at 128
   // registers) are requested before the wait, so they stream while the
-  // previous kernel drains. Only there: after any other kernel the weights might be its
-  // output (weights computed in the same jit), and after a plain launch it
-  // measured 4-8% slower (benchmarks/NOTES.md, 2026-12-06).
+  // previous kernel drains. Only there: after any other kernel the weights
+  // might be its output (weights computed in the same jit), and after a
+  // plain launch it measured 4-8% slower (benchmarks/NOTES.md, 2026-12-06).
   if constexpr (kEarly) {
     fill(wa, sa, za, 0);
     if constexpr (kStream) fill_weights(wb, kDepth);

@@ -101,7 +101,7 @@ inline ffi::Error invalid_argument(const char *target, const std::string &why) {
 // A packed weight (qweight, scales in `dtype`, zeros) and its group size: the
 // shapes must agree with each other and with the kernels' rules for a
 // product of m rows (marlin::check_problem). `name` prefixes the messages
-// ("" for jax_marlin_matmul's one weight, "gate_up " for a chain's).
+// ("" for jax_marlin_matmul's one weight, "gate_up: " for a chain's).
 inline ffi::ErrorOr<WeightDims> check_weight(const char *target, const std::string &name,
                                              const ffi::Buffer<ffi::S32, 2> &qweight,
                                              const ffi::AnyBuffer &scales,

@@ -73,12 +73,10 @@ ffi::Error PostAttentionCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::A
   const ffi::DataType dtype = a.element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16)
     return invalid("a must be float16 or bfloat16");
-  for (const ffi::AnyBuffer *b : {&x, &norm_weight}) {
-    if (b->element_type() != dtype) return invalid("a, x, norm_weight and the scales must have one dtype");
-  }
-  for (const ffi::AnyBuffer *b : {&*y, &*h, &*g}) {
+  for (const ffi::AnyBuffer *b : {&x, &norm_weight})
+    if (b->element_type() != dtype) return invalid("a, x and norm_weight must have one dtype");
+  for (const ffi::AnyBuffer *b : {&*y, &*h, &*g})
     if (b->element_type() != dtype) return invalid("y, h and g must have a's dtype");
-  }
   auto ad = a.dimensions(), xd = x.dimensions(), yd = y->dimensions();
   if (ad.size() < 1 || xd.size() != ad.size())
     return invalid("a and x must have the same number of dimensions, at least one");

@@ -108,7 +108,11 @@ def _check_arguments(a, x, o, gate_up, down, norm_weight, norm_eps) -> float:
     norm_eps = float(norm_eps)
     if not norm_eps >= 0:
         raise ValueError(f"rms_norm_eps = {norm_eps} must be a non-negative number")
-    shapes.check_fusion_dtypes(a.dtype, x=x.dtype, rms_norm_weight=norm_weight.dtype)
+    for name, dtype in (("x", x.dtype), ("rms_norm_weight", norm_weight.dtype)):
+        if dtype != a.dtype:
+            raise TypeError(f"{name}.dtype is {np.dtype(dtype).name} but a.dtype is "
+                            f"{np.dtype(a.dtype).name}: a, x and rms_norm_weight must have the "
+                            f"weights' dtype")
     if a.ndim < 1 or x.ndim < 1:
         raise ValueError("a and x must have at least one dimension: a [..., k_o], x [..., hidden]")
     if a.shape[:-1] != x.shape[:-1]:
@@ -233,8 +237,8 @@ def _fuses(ctx, trees) -> bool:
 def _cuda_lowering(ctx, *operands, trees, norm_eps, poison_output):
     params = dict(trees=trees, norm_eps=norm_eps, poison_output=poison_output)
     if _fuses(ctx, trees):
-        target = ("jax_marlin_post_attention_stream" if _ffi.cuda_target() == _ffi.MATMUL_STREAM_TARGET
-                  else "jax_marlin_post_attention")
+        stream = _ffi.cuda_target() == _ffi.MATMUL_STREAM_TARGET
+        target = "jax_marlin_post_attention" + ("_stream" if stream else "")
         return mlir.lower_fun(functools.partial(_fused_call, target=target),
                               multiple_results=False)(ctx, *operands, **params)
     return mlir.lower_fun(_composed, multiple_results=False)(ctx, *operands, **params)

@@ -110,6 +110,14 @@ def imported_weight(k, n, group_size, dtype, zeros, act_order):
     return jm.pack(q, scales, group_size, zeros=z, g_idx=g_idx)
 
 
+def finite(y, label) -> bool:
+    """Whether every element of ``y`` (poisoned with NaN before the kernel ran) is finite;
+    prints the case's line."""
+    ok = bool(jnp.isfinite(y.astype(jnp.float32)).all())
+    print(f"{label}: {'ok' if ok else 'NOT FINITE'}", flush=True)
+    return ok
+
+
 @jax.jit
 def run(x, w, bias):
     return _matmul(x, w, bias=bias, poison_output=True)
@@ -137,11 +145,9 @@ def fused_cases(max_m):
             x = jax.random.normal(key, (m, 2 * k if swiglu else k), dtype)
             residual = jax.random.normal(key, (m, n), dtype) if "residual" in fusion else None
             y = jax.block_until_ready(run_fused(x, w, residual, norm_weight, swiglu))
-            finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
-            bad += not finite
+            bad += not finite(y, f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name} {fusion} "
+                                 f"m={m}")
             total += 1
-            print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name} {fusion} m={m}: "
-                  f"{'ok' if finite else 'NOT FINITE'}", flush=True)
     return total, bad
 
 
@@ -169,12 +175,10 @@ def chain_cases():
             a = jax.random.normal(key, (m, k_o), dtype)
             x = jax.random.normal(keys[3], (m, hidden), dtype)
             y = jax.block_until_ready(run_chain(a, x, o, gate_up, down, norm_weight))
-            finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
-            bad += not finite
+            bad += not finite(y, f"post_attention k_o={k_o} hidden={hidden} f={f} "
+                                 f"g={group_size} {jnp.dtype(dtype).name}"
+                                 f"{' zeros' if zeros else ''} m={m}")
             total += 1
-            print(f"post_attention k_o={k_o} hidden={hidden} f={f} g={group_size} "
-                  f"{jnp.dtype(dtype).name}{' zeros' if zeros else ''} m={m}: "
-                  f"{'ok' if finite else 'NOT FINITE'}", flush=True)
     return total, bad
 
 
@@ -205,11 +209,10 @@ for kind, (k, n, group_size, dtype, with_bias, ms) in cases:
     for m in ms:
         x = jax.random.normal(key, (m, k), dtype)
         y = jax.block_until_ready(run(x, w, bias))
-        finite = bool(jnp.isfinite(y.astype(jnp.float32)).all())
-        bad += not finite
+        bad += not finite(y, f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name}"
+                             f"{' bias' if with_bias else ''}"
+                             f"{' zeros' if w.zeros is not None else ''}"
+                             f"{' act-order' if w.perm is not None else ''} m={m}")
         total += 1
-        print(f"k={k} n={n} g={group_size} {jnp.dtype(dtype).name}{' bias' if with_bias else ''}"
-              f"{' zeros' if w.zeros is not None else ''}{' act-order' if w.perm is not None else ''} "
-              f"m={m}: {'ok' if finite else 'NOT FINITE'}", flush=True)
 print(f"{total} cases, {bad} with NaN or inf in the output")
 sys.exit(1 if bad else 0)
