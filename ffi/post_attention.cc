@@ -82,9 +82,6 @@ ffi::Error PostAttentionCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::A
     return invalid("a and x must have the same number of dimensions, at least one");
   for (size_t i = 0; i + 1 < ad.size(); ++i)
     if (ad[i] != xd[i]) return invalid("a and x must have the same leading dimensions");
-  if (yd.size() != xd.size()) return invalid("y must have x's shape");
-  for (size_t i = 0; i < xd.size(); ++i)
-    if (yd[i] != xd[i]) return invalid("y must have x's shape");
   const int64_t k_o = o_qweight.dimensions()[0] * marlin::kTile;
   if (ad.back() != k_o)
     return invalid("a.shape[-1] = " + s(ad.back()) + " but o's qweight packs k = " + s(k_o));
@@ -101,6 +98,9 @@ ffi::Error PostAttentionCuda(cudaStream_t stream, ZeroedCounters *zeroed, ffi::A
   const int64_t hidden = o->n, ffn = down->k;
   if (xd.back() != hidden)
     return invalid("x.shape[-1] = " + s(xd.back()) + " but o has n = " + s(hidden));
+  if (yd.size() != xd.size()) return invalid("y must have x's shape");
+  for (size_t i = 0; i < xd.size(); ++i)
+    if (yd[i] != xd[i]) return invalid("y must have x's shape");
   if (gate_up->k != hidden || gate_up->n != 2 * ffn || down->n != hidden)
     return invalid("the weights do not chain: o [" + s(o->k) + ", " + s(hidden) + "], gate_up [" +
                    s(gate_up->k) + ", " + s(gate_up->n) + "], down [" + s(down->k) + ", " +

@@ -18,7 +18,7 @@ import pytest
 from conftest import BF16_U, FP16_U, imported_weight, random_weight, rel_err
 
 import jax_marlin as jm
-from jax_marlin import _ffi
+from jax_marlin import _ffi, shapes
 from jax_marlin.chain import _post_attention
 
 EPS = 1e-5
@@ -368,3 +368,50 @@ def test_gpu_one_call_and_the_stream_target(rng, monkeypatch, single_call, m):
             want = np.asarray(three_calls(a, x, o, w, down, norm_weight), np.float32)
             np.testing.assert_array_equal(results[setting, name], want)
     np.testing.assert_array_equal(results["1", "plain"], results["0", "plain"])
+
+
+@pytest.mark.gpu
+def test_gpu_handler_rechecks_its_operands(rng):
+    # Called directly, past the Python checks, the single call's handler
+    # refuses inconsistent buffers with a message instead of reading out of
+    # bounds.
+    k_o, hidden, f = GPU_SIZES[0]
+    o, gate_up, down, norm_weight = block_weights(rng, GPU_SIZES[0], np.float16, 128,
+                                                  device=jax.devices("gpu")[0])
+    a, x = (gpu(v) for v in inputs(rng, (2,), GPU_SIZES[0], np.float16))
+    none = gpu(np.zeros((0, 0), np.int32))
+
+    def call(a=a, x=x, o=o, gate_up=gate_up, down=down, norm_weight=norm_weight, h_size=None,
+             scratch=None):
+        m = 2
+        h_size = m * hidden if h_size is None else h_size
+        if scratch is None:
+            scratch = sum(_ffi.rules.chained_size(shapes.reduce_scratch_size(m, w.n, w.k, c))
+                          for w, c in ((o, False), (gate_up, True), (down, True)))
+        workspace = sum(_ffi.rules.chained_size(shapes.workspace_size(m, w.n))
+                        for w in (o, gate_up, down))
+        out = [jax.ShapeDtypeStruct((m, hidden), jnp.float16),
+               jax.ShapeDtypeStruct((h_size,), jnp.float16),
+               jax.ShapeDtypeStruct((m * 2 * f,), jnp.float16),
+               jax.ShapeDtypeStruct((workspace,), jnp.int32),
+               jax.ShapeDtypeStruct((scratch,), jnp.float32)]
+        fn = jax.ffi.ffi_call("jax_marlin_post_attention", out)
+        y = fn(a, x, o.qweight, o.scales, none, gate_up.qweight, gate_up.scales, none,
+               down.qweight, down.scales, none, norm_weight, o_group_size=np.int64(128),
+               gate_up_group_size=np.int64(128), down_group_size=np.int64(128),
+               norm_eps=np.float32(EPS), poison_output=True)[0]
+        return np.asarray(y, np.float32)
+
+    # The valid call: the three calls' result.
+    np.testing.assert_array_equal(call(), np.asarray(three_calls(a, x, o, gate_up, down,
+                                                                 norm_weight), np.float32))
+    for kwargs, match in [
+        (dict(a=a[:, :512]), "a.shape\\[-1\\] = 512 but o's qweight packs k = 1024"),
+        (dict(x=x[:, :512]), "x.shape\\[-1\\] = 512 but o has n = 1024"),
+        (dict(gate_up=down, down=gate_up), "do not chain"),
+        (dict(norm_weight=norm_weight[:512]), "norm_weight must have shape \\[1024\\]"),
+        (dict(h_size=hidden), "h must hold"),
+        (dict(scratch=8), "scratch holds 8 float32"),
+    ]:
+        with pytest.raises(Exception, match=match):
+            call(**kwargs)
