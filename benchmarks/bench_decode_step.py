@@ -295,11 +295,13 @@ def main() -> None:
               " alternating rounds")
         for m in args.ms:
             x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
-            single = m <= 8
+            # The targets the step must lower to (the stream twins under
+            # JAX_MARLIN_COMMAND_BUFFER=0): the single call at m <= 8 only.
+            matmul = _ffi.cuda_target()
+            chain = "jax_marlin_post_attention" + matmul[len(_ffi.MATMUL_TARGET):]
             f_chain = compiled_with_env(
                 dict(JAX_MARLIN_CHAIN_CALL="1"), lambda x, w: step_chain(x, w), x, int4,
-                targets=(["jax_marlin_matmul", "jax_marlin_post_attention"] if single
-                         else ["jax_marlin_matmul"]))
+                targets=[matmul, chain] if m <= 8 else [matmul])
             yf, yc = f_fused(x, int4).astype(jnp.float32), f_chain(x, int4).astype(jnp.float32)
             diff = float(jnp.max(jnp.abs(yc - yf)) / jnp.max(jnp.abs(yf)))
             for r in range(args.chain):
