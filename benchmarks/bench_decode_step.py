@@ -115,6 +115,11 @@ def step_fused(x, weights):
     return x
 
 
+def activations(m: int) -> jax.Array:
+    """The step's input ``x [m, 4096]`` float16, the same for every m's runs."""
+    return jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+
+
 def copy_tbps() -> float:
     a = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
     f = jax.jit(lambda a: a + 1)
@@ -246,7 +251,7 @@ def main() -> None:
           f" | pipelined: {'float16 ms':>10} {'jax_marlin ms':>13} {'speedup':>8}"
           f" | fused: {'ms':>7} {'speedup':>8} {'pipelined':>9} {'speedup':>8} {'max diff':>8}")
     for m in args.ms:
-        x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+        x = activations(m)
         t16 = timed(f_fp16, x, fp16, calls=args.calls)
         t4 = timed(f_int4, x, int4, calls=args.calls)
         p16 = pipelined(f_fp16, x, fp16, calls=args.calls)
@@ -273,7 +278,7 @@ def main() -> None:
         print("act-order (one block's weights reused), pipelined ms per step: group order"
               " unfused / fused | act-order unfused / fused / fused, down's order folded")
         for m in args.ms:
-            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            x = activations(m)
             t = dict(ordered_ms=pipelined(f_int4, x, ordered, calls=args.calls),
                      ordered_fused_ms=pipelined(f_fused, x, ordered, calls=args.calls),
                      act_order_ms=pipelined(f_int4, x, shuffled, calls=args.calls),
@@ -294,7 +299,7 @@ def main() -> None:
               " single call, JAX_MARLIN_CHAIN_CALL=1, at m <= 8), pipelined ms per step,"
               " alternating rounds")
         for m in args.ms:
-            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            x = activations(m)
             # The targets the step must lower to (the stream twins under
             # JAX_MARLIN_COMMAND_BUFFER=0): the single call at m <= 8 only.
             matmul = _ffi.cuda_target()
@@ -318,7 +323,7 @@ def main() -> None:
               " (JAX_MARLIN_COMMAND_BUFFER=0), pipelined ms per step, alternating rounds:"
               " unfused | fused")
         for m in args.ms:
-            x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.float16)
+            x = activations(m)
             steps = {(stream, fused): compiled_with_target(
                          stream, (lambda x, w: step_fused(x, w)) if fused
                          else (lambda x, w: step(x, w, jm.matmul)), x, int4)

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_marlin import _ffi, ops, shapes
-from jax_marlin._compat import (Primitive, Tracer, ad, batching, lowers_per_device, mlir,
+from jax_marlin._compat import (Primitive, ad, batching, lowers_per_device, mlir,
                                 requires_devices_during_lowering)
-from jax_marlin.packing import MarlinWeight, _check_weight
+from jax_marlin.packing import MarlinWeight
 from jax_marlin.primitive import FUSED_MAX_M
 
 __all__ = ["post_attention"]
@@ -96,18 +96,9 @@ def _post_attention(a, x, o, gate_up, down, rms_norm_weight, *, rms_norm_eps,
 def _check_arguments(a, x, o, gate_up, down, norm_weight, norm_eps) -> float:
     """The user's arguments, in logical sizes; returns ``norm_eps`` as a float."""
     for name, w in (("o", o), ("gate_up", gate_up), ("down", down)):
-        if not isinstance(w, MarlinWeight):
-            raise TypeError(f"{name} must be a jax_marlin.MarlinWeight (from jm.quantize or "
-                            f"jm.pack), got {type(w).__name__}")
-        _check_weight(w)
-        if w.qweight.dtype != jnp.int32:
-            raise TypeError(f"{name}.qweight.dtype is {w.qweight.dtype}, expected int32")
+        ops.check_marlin_weight(w, name)
         shapes.check_dtypes(a.dtype, w.scales.dtype)
-    if isinstance(norm_eps, Tracer) or np.ndim(norm_eps) != 0:
-        raise TypeError(f"rms_norm_eps must be a Python float, got {type(norm_eps).__name__}")
-    norm_eps = float(norm_eps)
-    if not norm_eps >= 0:
-        raise ValueError(f"rms_norm_eps = {norm_eps} must be a non-negative number")
+    norm_eps = ops.checked_norm_eps(norm_eps)
     for name, dtype in (("x", x.dtype), ("rms_norm_weight", norm_weight.dtype)):
         if dtype != a.dtype:
             raise TypeError(f"{name}.dtype is {np.dtype(dtype).name} but a.dtype is "
@@ -253,7 +244,7 @@ def _jvp(primals, tangents, *, trees, norm_eps, poison_output):
     # symbolic zero tangents stay symbolic.
     a, x, *leaves, norm_weight = primals
     a_dot, x_dot, *leaf_dots, norm_dot = tangents
-    if not all(type(t) is ad.Zero or t.dtype == jax.dtypes.float0 for t in leaf_dots):
+    if not all(ops._is_zero(t) for t in leaf_dots):
         raise TypeError("jm.post_attention has no derivative with respect to the quantized "
                         "weights: 4-bit weights are frozen (jax.lax.stop_gradient them, or "
                         "close over them)")

@@ -112,23 +112,35 @@ def _matmul(x, w: MarlinWeight, bias=None, *, residual=None, rms_norm_weight=Non
                  bool(poison_output))
 
 
-def _check_arguments(x, w, bias, residual, rms_norm_weight, rms_norm_eps, swiglu) -> float:
-    """The user's arguments, in the logical sizes ``[k, n]`` they were given in; returns
-    ``rms_norm_eps`` as a float."""
+def check_marlin_weight(w, name: str) -> None:
+    """Raises unless ``w`` (the argument ``name``) is a consistent :class:`MarlinWeight`
+    with int32 ``qweight``."""
     if not isinstance(w, MarlinWeight):
-        raise TypeError(f"w must be a jax_marlin.MarlinWeight (from jm.quantize or jm.pack), "
-                        f"got {type(w).__name__}")
+        raise TypeError(f"{name} must be a jax_marlin.MarlinWeight (from jm.quantize or "
+                        f"jm.pack), got {type(w).__name__}")
     _check_weight(w)
     if w.qweight.dtype != jnp.int32:  # the kernel's abstract eval sees it only when lowered
         raise TypeError(f"qweight.dtype is {w.qweight.dtype}, expected int32 (8 nibbles a word)")
-    if not isinstance(swiglu, (bool, np.bool_)):
-        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
-    # A static value: it is an attribute of the kernel call, not an operand.
+
+
+def checked_norm_eps(rms_norm_eps) -> float:
+    """``rms_norm_eps`` as a float: static (an attribute of the kernel call, not an
+    operand) and non-negative."""
     if isinstance(rms_norm_eps, Tracer) or np.ndim(rms_norm_eps) != 0:
         raise TypeError(f"rms_norm_eps must be a Python float, got {type(rms_norm_eps).__name__}")
     norm_eps = float(rms_norm_eps)
     if not norm_eps >= 0:
         raise ValueError(f"rms_norm_eps = {norm_eps} must be a non-negative number")
+    return norm_eps
+
+
+def _check_arguments(x, w, bias, residual, rms_norm_weight, rms_norm_eps, swiglu) -> float:
+    """The user's arguments, in the logical sizes ``[k, n]`` they were given in; returns
+    ``rms_norm_eps`` as a float."""
+    check_marlin_weight(w, "w")
+    if not isinstance(swiglu, (bool, np.bool_)):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    norm_eps = checked_norm_eps(rms_norm_eps)
     shapes.check_dtypes(x.dtype, w.scales.dtype, None if bias is None else bias.dtype)
     shapes.check_fusion_dtypes(x.dtype, residual=None if residual is None else residual.dtype,
                                rms_norm_weight=None if rms_norm_weight is None

@@ -163,8 +163,8 @@ def chain_cases():
     os.environ["JAX_MARLIN_CHAIN_CALL"] = "1"  # read when run_chain is lowered
     total = bad = 0
     for k_o, hidden, f, group_size, dtype, zeros, ms in CHAIN_CASES:
-        def weight(k, n, scale_key):
-            return jm.quantize(jax.random.normal(scale_key, (k, n)) * k ** -0.5,
+        def weight(k, n, weight_key):
+            return jm.quantize(jax.random.normal(weight_key, (k, n)) * k ** -0.5,
                                group_size=group_size, dtype=dtype)
         keys = jax.random.split(key, 4)
         o, down = weight(k_o, hidden, keys[0]), weight(f, hidden, keys[1])
