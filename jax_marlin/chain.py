@@ -10,7 +10,7 @@ It is exactly the three fused ``jm.matmul`` calls a block would make
 (``o`` with the residual ``x``, ``gate_up`` with the RMSNorm prologue,
 ``down`` with SwiGLU and the residual ``h``), which is how it runs on the CPU
 and wherever the fused CUDA call does not apply. On CUDA at decode batch sizes
-the three can run as one custom call (``ffi/post_attention.cc``; opt-in for now,
+the three can run as one custom call (``ffi/post_attention.cc``; opt-in,
 ``single_call_enabled``): XLA records each
 custom call into its command buffer as a child graph that starts when the one
 before it has finished, so between separate calls a kernel cannot overlap the
@@ -18,7 +18,9 @@ previous one's tail; inside one call the kernels keep their programmatic
 dependent launch, and ``gate_up`` and ``down`` start streaming their weights
 before the previous kernel finishes (safe there: the only kernels before them
 are the call's own, which write activations only). The result is bit-identical
-to the three calls.
+to the three calls. Measured (H100, 8B decode step): no faster than the three
+calls at m = 1-2 and 2-8% slower at m = 4-8, where the kernels' programmatic
+edges cost more than they save (benchmarks/NOTES.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def post_attention(a, x, o: MarlinWeight, gate_up: MarlinWeight, down: MarlinWei
 
     Why a single op: on Hopper at ``m <= 8`` rows it can run as one custom
     call whose three kernels overlap each other's ramp and tail (see the
-    module docstring; with ``JAX_MARLIN_CHAIN_CALL=1`` until it has been
-    measured on a GPU); elsewhere (CPU, more rows, act-order or padded
+    module docstring; only with ``JAX_MARLIN_CHAIN_CALL=1``: measured, it is no
+    faster than the three calls); elsewhere (CPU, more rows, act-order or padded
     weights, inputs sharded over several devices) it runs as those three
     calls.
 
@@ -197,11 +199,11 @@ def _fused_call(*operands, trees, norm_eps, poison_output, target):
 def single_call_enabled() -> bool:
     """Whether ``JAX_MARLIN_CHAIN_CALL=1`` is set (read when the op is lowered).
 
-    The single custom call is opt-in until it has run on a GPU: it was built
-    and checked on the CPU (its lowering route, the CUDA sources compiled,
-    ptxas clean) but no GPU was available to run its tests and measure it
-    (benchmarks/NOTES.md, 2026-12-07). Without the setting the op lowers to
-    the three calls everywhere, which is the same function.
+    The single custom call is opt-in: its GPU tests pass and it is bit-identical
+    to the three calls, but in the 8B decode step on an H100 it was within 1.3%
+    of them at m = 1-2 and 2-8% slower at m = 4-8 (benchmarks/NOTES.md,
+    2026-12-07). Without the setting the op lowers to the three calls
+    everywhere, which is the same function.
     """
     return os.environ.get("JAX_MARLIN_CHAIN_CALL") == "1"
 
