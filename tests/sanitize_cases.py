@@ -4,7 +4,8 @@ with zero points or act-order, and the fused RMSNorm, SwiGLU and residual, on
 the decode, Marlin and prefill kernels, for compute-sanitizer
 (benchmarks/gpu_run.sh, stage sanitize).
 ``python sanitize_cases.py zeros`` (or ``act-order``, ``fusion``, ``chain``) runs
-those cases alone; ``fusion 16`` the fused cases at m <= 16.
+those cases alone; ``fusion 16`` the fused cases at m <= 16, ``chain 1`` the
+chain cases from the second on. racecheck: ``--racecheck-report hazard``.
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -12,6 +13,11 @@ element the kernel did not write; the script exits 1 if any case has one.
 
 import os
 import sys
+
+# Under compute-sanitizer, XLA's preallocation of most of the GPU made the
+# tool segfault at start (2026-12-07, memcheck, compute-sanitizer 2025.3.1),
+# and the orphaned Python process then held the memory. Allocate as needed.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
