@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu pab step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -132,6 +132,52 @@ if has prefill; then
   $BIN --reps 50 $pc > "$OUT/time-prefill.log" 2>&1
   JAX_MARLIN_PREFILL=0 $BIN --reps 50 $pc > "$OUT/time-prefill-marlin.log" 2>&1
   paste <(grep -E "^ +[0-9]" "$OUT/time-prefill.log" | awk '{print $1, $2, $3, $5}') <(grep -E "^ +[0-9]" "$OUT/time-prefill-marlin.log" | awk '{print $5}')
+fi
+
+if has pncu; then
+  # Why a prefill stage is slow at m = 64: the best 8192 x 8192 launch (64 x 256
+  # tiles split 4 ways, 28.7 us on the H200) runs a stage in ~1000 cycles where
+  # its wgmmas need ~512 and its issue ~400 (benchmarks/NOTES.md, 2026-12-07).
+  step "Nsight Compute on the prefill kernel (${PNCU_SHAPE:=8192x8192}, m = ${PNCU_M:=64}, fp16 g128)"
+  [ -x /tmp/prefill_bench ] || nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
+    benchmarks/prefill_bench.cu ffi/prefill_sm90.cu -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
+  timeout 150 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    /tmp/prefill_bench --no-self-test --shapes "$PNCU_SHAPE" --m "$PNCU_M" --dtype fp16 --group 128 \
+    --trials 1 > "$OUT/prefill-ncu.txt" 2>&1
+  echo "exit $?"
+  grep -E "Duration|Throughput|Pipe|Eligible|Issued Warp|Active Warps|Stall|Grid Size|Registers" \
+    "$OUT/prefill-ncu.txt" | head -40
+fi
+
+if has pab; then
+  # Prefill-kernel variants: PVARIANTS="x.diff ..." patches of ffi/prefill_sm90.cuh,
+  # each built into its own prefill_bench beside the tree's, self-tested (every
+  # tile, split and stream-K form against float64) and swept at PAB_M (every
+  # tile and split per layer, fp16 g128); the best time per layer side by side.
+  step "pab: prefill-kernel variants (${PVARIANTS:-none}) against the tree's"
+  pnames="tree"
+  for v in ${PVARIANTS:-}; do pnames="$pnames $(basename "${v%.*}")"; done
+  set -- ${PVARIANTS:-}
+  for n in $pnames; do
+    d=/tmp/pab/$n && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/"
+    if [ "$n" != tree ]; then patch -s -d "$d" -p1 < "$1" || { echo "$1 does not apply"; exit 1; }; shift; fi
+    nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I"$d/ffi" -Xptxas -v benchmarks/prefill_bench.cu \
+      "$d/ffi/prefill_sm90.cu" -lcublas -o "$d/prefill_bench" > "$OUT/pab-build-$n.log" 2>&1 &
+  done
+  wait
+  for n in $pnames; do
+    echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances"
+    timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
+    echo "$n self-test: exit $?, $(tail -1 "$OUT/pab-selftest-$n.log")"
+    timeout ${PAB_TIMEOUT:-200} "/tmp/pab/$n/prefill_bench" --no-self-test --sweep --m "${PAB_M:-64,128}" \
+      --dtype fp16 --group 128 > "$OUT/pab-sweep-$n.log" 2>&1
+  done
+  # "  sweep fp16  128   8192x8192   m 64 best 64x256/4      28.73 us (chosen ...)"
+  for n in $pnames; do grep ' best ' "$OUT/pab-sweep-$n.log" | awk -v n=$n '{print $4, "m", $6, n, $8, $9}' > "/tmp/pab/$n.best"; done
+  echo "best configuration and us per layer and m (fp16 g128), in the order: $pnames"
+  paste -d'|' $(for n in $pnames; do echo "/tmp/pab/$n.best"; done)
 fi
 
 if has zp; then
