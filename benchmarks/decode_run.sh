@@ -170,7 +170,7 @@ if has pab; then
   for n in $pnames; do
     echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
-    echo "$n self-test: exit $?, $(tail -1 "$OUT/pab-selftest-$n.log")"
+    echo "$n self-test: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-$n.log")"
     timeout ${PAB_TIMEOUT:-200} "/tmp/pab/$n/prefill_bench" --no-self-test --sweep --m "${PAB_M:-64,128}" \
       --dtype fp16 --group 128 > "$OUT/pab-sweep-$n.log" 2>&1
   done
