@@ -135,9 +135,10 @@ if has prefill; then
 fi
 
 if has pncu; then
-  # Why a prefill stage is slow at m = 64: the best 8192 x 8192 launch (64 x 256
-  # tiles split 4 ways, 28.7 us on the H200) runs a stage in ~1000 cycles where
-  # its wgmmas need ~512 and its issue ~400 (benchmarks/NOTES.md, 2026-12-07).
+  # Why the prefill kernel is slow at m = 64: the best 8192 x 8192 launch (64 x 256
+  # tiles split 4 ways, 28.7 us on the H200) runs a stage in ~830 cycles where its
+  # wgmmas need ~512 and its issue ~400, and pays ~15 us of fixed cost where ~5
+  # are expected (benchmarks/NOTES.md, 2026-12-07).
   step "Nsight Compute on the prefill kernel (${PNCU_SHAPE:=8192x8192}, m = ${PNCU_M:=64}, fp16 g128)"
   [ -x /tmp/prefill_bench ] || nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
     benchmarks/prefill_bench.cu ffi/prefill_sm90.cu -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
