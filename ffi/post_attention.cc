@@ -16,7 +16,10 @@
 // the only kernels before the second and third projections are this call's
 // own, which write h, g and the scratch, never a weight, those two may load
 // their first weights before waiting for the previous kernel (the early
-// fill, Fusion::early_weights). benchmarks/NOTES.md has the measurements.
+// fill, Fusion::early_weights). Measured in the 8B decode step (H100,
+// benchmarks/NOTES.md, 2026-12-07) it is no faster than the three calls at
+// m = 1-2 and 2-8% slower at m = 4-8, where those edges cost more than they
+// save, so jax_marlin/chain.py lowers to it only with JAX_MARLIN_CHAIN_CALL=1.
 //
 //   a            f16|bf16 [..., k_o]     attention's output
 //   x            f16|bf16 [..., n_o]     the residual stream, a's leading dims
