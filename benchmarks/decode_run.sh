@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu pab step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc pab step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -150,6 +150,28 @@ if has pncu; then
   echo "exit $?"
   grep -E "Duration|Throughput|Pipe|Eligible|Issued Warp|Active Warps|Stall|Grid Size|Registers" \
     "$OUT/prefill-ncu.txt" | head -40
+fi
+
+if has psrc; then
+  # Where the prefill kernel's warps stall, per SASS instruction (Nsight Compute's
+  # full set and its source page), on PSRC_CASES ("shape:m ...", fp16 g128, the
+  # table's configuration), with shared-memory wavefronts and bank conflicts.
+  step "Nsight Compute source view of the prefill kernel (${PSRC_CASES:=8192x8192:64 4096x4096:64 8192x8192:128})"
+  [ -x /tmp/prefill_bench ] || nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Iffi \
+    benchmarks/prefill_bench.cu ffi/prefill_sm90.cu -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
+  for c in $PSRC_CASES; do
+    r=/tmp/psrc-${c/:/-m}
+    timeout 120 ncu --clock-control none --set full --import-source no --kernel-name regex:prefill_kernel \
+      --launch-skip 3 --launch-count 1 -f -o "$r" /tmp/prefill_bench --no-self-test --shapes "${c%%:*}" \
+      --m "${c##*:}" --dtype fp16 --group 128 --trials 1 > /dev/null 2>&1
+    echo "--- $c: exit $?"
+    ncu -i "$r.ncu-rep" --print-details all --section WarpStateStats --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis_Tables 2>&1 | grep -E "prefill_kernel|Duration|Stall|stall|Shared|shared|Bank|bank|Throughput" | head -60
+    ncu -i "$r.ncu-rep" --page source --csv --print-source sass > "$r.csv" 2>&1 ||
+      { head -5 "$r.csv"; ncu --help | grep -A4 -E "page|print-source"; }
+    python3 benchmarks/ncu_source_top.py "$r.csv" 45 2>&1 | head -60
+  done
+  cat /tmp/psrc-*.csv | gzip > "$OUT/psrc-csv.gz"
 fi
 
 if has pab; then
