@@ -39,13 +39,13 @@
 // - W: the four 16-row bands of the tile, each a contiguous 1 or 2 KiB of
 //   qweight (block_n / 64 chunks of 64 columns), by 1-D bulk copies: every
 //   weight byte is read from global memory once per m tile, in 1-2 KiB
-//   transactions. A thread then reads
-//   its word 4 lane + w with a 32-bit shared load. Those loads cost four
-//   shared-memory wavefronts per warp (the 4 words of a 16-byte unit belong
-//   to the 4 warps, so one warp's 32 words share 8 banks with every 16-byte
-//   layout a copy can write), as much as a 16-byte load would; at 2 KiB per
-//   64 x 16 weight tile against the B operand's block_m x 32 bytes it is
-//   affordable, and nothing else in shared memory spares it.
+//   transactions. The 4 words of a 16-byte unit are one lane's fragments of
+//   the chunk's four 16-column tiles, so a warp reading one tile's words
+//   (4 lane + tile) touches 8 banks: four wavefronts per 32-bit load. With
+//   two chunks per warpgroup (n tile 256) a warp takes two adjacent tiles
+//   of one chunk instead (see `pair` below): one 8-byte load with 2-way
+//   conflicts per k step, half the wavefronts (4-5% faster on 64 x 256 at
+//   m = 64, H100 and H200; benchmarks/NOTES.md, 2026-12-07).
 // - grouped scales: the tile's one or two rows of scales (block_n x 2 bytes),
 //   and with zero points their one or two rows of those (block_n / 2 bytes;
 //   per-column zero points are read once, from global memory, instead).
@@ -447,13 +447,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Consumers: warpgroup cw owns chunks cw * wg_chunks .. of the tile (64
-  // columns each), one accumulator per chunk.
+  // columns each), one accumulator (64 columns) per chunk.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int cw = warpgroup - 1;
   const int ctid = threadIdx.x - 128;
   const int warp = (ctid / 32) % 4, lane = ctid % 32;
 
   float acc[wg_chunks][acc_regs];
+  // Which 16 columns warp `warp` feeds into wgmma c of a k step (its 16 of
+  // the wgmma's 64 rows): with one chunk per warpgroup, tile `warp` of it;
+  // with two (`pair`), tile 2 (warp % 2) + c of chunk warp / 2, so that a
+  // thread's two words of a k step are adjacent (4 lane + 2 (warp % 2) +
+  // {0, 1}) and come in one 8-byte shared load. Any assignment of 16-column
+  // tiles to a wgmma's rows is a valid product; the scales, zero points and
+  // the epilogue follow it.
+  constexpr bool pair = wg_chunks == 2;
+  auto chunk_of = [&](int c) { return pair ? warp / 2 : c; };      // of the warpgroup's chunks
+  auto tile_of = [&](int c) { return pair ? 2 * (warp % 2) + c : warp; };  // 16 columns in it
 
   // a[r][c] feeds the wgmma of k step r and chunk c; it is rewritten for the
   // next stage only once that wgmma has completed (a register A operand must
@@ -487,9 +497,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (has_zeros && group_size == -1) {
 #pragma unroll
       for (int c = 0; c < wg_chunks; ++c) {
-        const int chunk = cw * wg_chunks + c;
+        const int chunk = cw * wg_chunks + chunk_of(c);
         zp[0][c] = zero_points<scalar_t>(
-            chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0, warp);
+            chunk < valid_chunks ? int(args.zeros[(n0 + 64 * chunk) / 8 + lane / 4]) : 0,
+            tile_of(c));
       }
     }
     for (; i < seg_end; ++i) {
@@ -499,14 +510,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint8_t *w_stage = smem + S::w_offset + s * S::w_stage + cw * wg_chunks * kChunkBytes;
       int q[kKSteps][wg_chunks];
 #pragma unroll
-      for (int r = 0; r < kKSteps; ++r)
+      for (int r = 0; r < kKSteps; ++r) {
+        if constexpr (pair) {
+          const int2 v = *reinterpret_cast<const int2 *>(w_stage + r * S::w_band +
+                                                         chunk_of(0) * kChunkBytes +
+                                                         4 * (4 * lane + 2 * (warp % 2)));
+          q[r][0] = v.x;
+          q[r][1] = v.y;
+        } else {
 #pragma unroll
-        for (int c = 0; c < wg_chunks; ++c)
-          q[r][c] = *reinterpret_cast<const int *>(w_stage + r * S::w_band + c * kChunkBytes +
-                                                   4 * (4 * lane + warp));
-      // Rows g, g + 8 of this warp are chunk columns 16 warp + g (+ 8), whose
-      // scales are stored at 8 g + 2 warp (+ 1) (the 8x8 transpose): one half2
-      // per row of scales and chunk holds both.
+          for (int c = 0; c < wg_chunks; ++c)
+            q[r][c] = *reinterpret_cast<const int *>(w_stage + r * S::w_band + c * kChunkBytes +
+                                                     4 * (4 * lane + warp));
+        }
+      }
+      // Rows g, g + 8 of this warp in wgmma c are columns 16 t + g (+ 8) of
+      // its chunk, t = tile_of(c), whose scales are stored at 8 g + 2 t (+ 1)
+      // (the 8x8 transpose): one half2 per row of scales and wgmma holds both.
       T2 s2[scale_rows][wg_chunks];
       if constexpr (group_size != -1) {
         const uint8_t *s_stage = smem + S::s_offset + s * S::s_stage + cw * wg_chunks * 128;
@@ -514,11 +534,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int g = 0; g < scale_rows; ++g)
 #pragma unroll
           for (int c = 0; c < wg_chunks; ++c)
-            s2[g][c] = *reinterpret_cast<const T2 *>(s_stage + g * S::s_row + c * 128 +
-                                                     2 * (8 * (lane / 4) + 2 * warp));
+            s2[g][c] = *reinterpret_cast<const T2 *>(s_stage + g * S::s_row + chunk_of(c) * 128 +
+                                                     2 * (8 * (lane / 4) + 2 * tile_of(c)));
       }
-      // The same columns' zero points: word lane / 4 of each chunk's 8, tile
-      // `warp` (marlin_kernel.cuh, zero_points), built into the dequantization's
+      // The same columns' zero points: word lane / 4 of the chunk's 8, tile
+      // tile_of(c) (marlin_kernel.cuh, zero_points), built into the dequantization's
       // constants once per stage.
       if constexpr (has_zeros && group_size != -1) {
         const uint8_t *z_stage = smem + S::z_offset + s * S::z_stage + cw * wg_chunks * 32;
@@ -527,8 +547,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int c = 0; c < wg_chunks; ++c)
             zp[g][c] = zero_points<scalar_t>(
-                *reinterpret_cast<const int *>(z_stage + g * S::z_row + c * 32 + 4 * (lane / 4)),
-                warp);
+                *reinterpret_cast<const int *>(z_stage + g * S::z_row + chunk_of(c) * 32 +
+                                               4 * (lane / 4)),
+                tile_of(c));
       }
       const uint32_t a_tile = base + S::a_offset + s * S::a_stage;
 #pragma unroll
@@ -625,16 +646,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // Epilogue. Accumulator 4 j + 2 h + e of chunk c is row 16 warp + g + 8 h
-    // of the chunk (column n of C) and column 8 j + 2 t + e of the tile (row m
-    // of C), lane = 4 g + t. Per-column scales and the bias are applied in
-    // fp32, so each output is rounded once.
+    // Epilogue. Accumulator 4 j + 2 h + e of wgmma c is column 16 tile_of(c)
+    // + g + 8 h of chunk chunk_of(c) (column n of C) and column 8 j + 2 t + e
+    // of the tile (row m of C), lane = 4 g + t. Per-column scales and the
+    // bias are applied in fp32, so each output is rounded once.
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int c = 0; c < wg_chunks; ++c) {
-      const int chunk = cw * wg_chunks + c;
-      if (chunk >= valid_chunks) break;
-      const int col = n0 + 64 * chunk + 16 * warp + g;
+      const int chunk = cw * wg_chunks + chunk_of(c);
+      if (chunk >= valid_chunks) continue;
+      const int col = n0 + 64 * chunk + 16 * tile_of(c) + g;
       float scale[2] = {1.f, 1.f}, bias[2] = {0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
