@@ -169,7 +169,7 @@ if has psrc; then
       --section MemoryWorkloadAnalysis_Tables 2>&1 | grep -E "prefill_kernel|Duration|Stall|stall|Shared|shared|Bank|bank|Throughput" | head -60
     ncu -i "$r.ncu-rep" --page source --csv --print-source sass > "$r.csv" 2>&1 ||
       { head -5 "$r.csv"; ncu --help | grep -A4 -E "page|print-source"; }
-    python3 benchmarks/ncu_source_top.py "$r.csv" 45 2>&1 | head -60
+    python3 benchmarks/ncu_source_top.py "$r.csv" 30 2>&1 | head -45
   done
   cat /tmp/psrc-*.csv | gzip > "$OUT/psrc-csv.gz"
 fi
