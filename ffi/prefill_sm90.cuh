@@ -42,10 +42,10 @@
 //   transactions. The 4 words of a 16-byte unit are one lane's fragments of
 //   the chunk's four 16-column tiles, so a warp reading one tile's words
 //   (4 lane + tile) touches 8 banks: four wavefronts per 32-bit load. With
-//   two chunks per warpgroup (n tile 256) a warp takes two adjacent tiles
-//   of one chunk instead (see `pair` below): one 8-byte load with 2-way
-//   conflicts per k step, half the wavefronts (4-5% faster on 64 x 256 at
-//   m = 64, H100 and H200; benchmarks/NOTES.md, 2026-12-07).
+//   two chunks per warpgroup (n tile 256; symmetric weights) a warp takes
+//   two adjacent tiles of one chunk instead (see `pair` below): one 8-byte
+//   load with 2-way conflicts per k step, half the wavefronts (4-6% faster
+//   on 64 x 256 at m = 64, H100 and H200; benchmarks/NOTES.md, 2026-12-07).
 // - grouped scales: the tile's one or two rows of scales (block_n x 2 bytes),
 //   and with zero points their one or two rows of those (block_n / 2 bytes;
 //   per-column zero points are read once, from global memory, instead).
@@ -460,8 +460,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // thread's two words of a k step are adjacent (4 lane + 2 (warp % 2) +
   // {0, 1}) and come in one 8-byte shared load. Any assignment of 16-column
   // tiles to a wgmma's rows is a valid product; the scales, zero points and
-  // the epilogue follow it.
-  constexpr bool pair = wg_chunks == 2;
+  // the epilogue follow it. Not with zero points yet: that path follows the
+  // same mapping but has not run on a GPU (the pair loads were checked by
+  // prefill_bench's self-test and the table tests, symmetric weights only).
+  constexpr bool pair = wg_chunks == 2 && !has_zeros;
   auto chunk_of = [&](int c) { return pair ? warp / 2 : c; };      // of the warpgroup's chunks
   auto tile_of = [&](int c) { return pair ? 2 * (warp % 2) + c : warp; };  // 16 columns in it
 
