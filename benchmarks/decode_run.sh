@@ -177,8 +177,10 @@ fi
 if has pab; then
   # Prefill-kernel variants: PVARIANTS="x.diff ..." patches of ffi/prefill_sm90.cuh,
   # each built into its own prefill_bench beside the tree's, self-tested (every
-  # tile, split and stream-K form against float64) and swept at PAB_M (every
-  # tile and split per layer, fp16 g128); the best time per layer side by side.
+  # tile, split and stream-K form against float64, symmetric and with zero
+  # points) and swept at PAB_M (every tile and split per layer, fp16 g128); the
+  # best time per layer side by side. PAB_SWEEP_ARGS: more prefill_bench
+  # arguments for the sweep (--zeros: weights with zero points).
   step "pab: prefill-kernel variants (${PVARIANTS:-none}) against the tree's"
   pnames="tree"
   for v in ${PVARIANTS:-}; do pnames="$pnames $(basename "${v%.*}")"; done
@@ -194,8 +196,10 @@ if has pab; then
     echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
     echo "$n self-test: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-$n.log")"
+    timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick --zeros > "$OUT/pab-selftest-zeros-$n.log" 2>&1
+    echo "$n self-test with zero points: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-zeros-$n.log")"
     timeout ${PAB_TIMEOUT:-200} "/tmp/pab/$n/prefill_bench" --no-self-test --sweep --m "${PAB_M:-64,128}" \
-      --dtype fp16 --group 128 > "$OUT/pab-sweep-$n.log" 2>&1
+      --dtype fp16 --group 128 ${PAB_SWEEP_ARGS:-} > "$OUT/pab-sweep-$n.log" 2>&1
   done
   # "  sweep fp16  128   8192x8192   m 64 best 64x256/4      28.73 us (chosen ...)"
   for n in $pnames; do grep ' best ' "$OUT/pab-sweep-$n.log" | awk -v n=$n '{print $4, "m", $6, n, $8, $9}' > "/tmp/pab/$n.best"; done

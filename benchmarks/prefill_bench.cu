@@ -11,6 +11,7 @@
 //   ./prefill_bench --tile 128x256 --splits 2    force one configuration
 //   ./prefill_bench --tile 128x256 --stream-k    force a stream-K launch of that tile
 //   ./prefill_bench --memset-counters    zero the counters before every launch (see Scratch)
+//   ./prefill_bench --zeros              every weight with random zero points (asymmetric)
 // (-DNO_CUBLAS builds without the baseline and the full-output comparison.)
 //
 // Weights: random 32-bit words (every nibble pattern is a weight) in Marlin's
@@ -24,7 +25,7 @@
 //
 // Checks per case (C poisoned with NaN first, with NaN guards before and
 // after it): ||C - ref|| / ||ref|| against a float64 host reference of the
-// dequantized weights (round(q - 8) * s) to the dtype) on a subsample of rows and
+// dequantized weights (round((q - z) * s) to the dtype, z = 8 without --zeros) on a subsample of rows and
 // columns, tolerance 1e-3 (fp16) or 3e-3 (bf16); every element finite; the
 // guards untouched; a second call bit-identical; and the whole output against
 // cuBLAS on the dense dequantized weight (informative: both round).
@@ -129,6 +130,15 @@ __host__ __device__ inline int64_t scale_position(int64_t col, int group_size) {
   return col - c + 8 * (c % 8) + c / 8;
 }
 
+// The word (within a row of zero points) and shift of logical column `col`'s
+// zero point (jax_marlin/packing.py, "the zero-point layout"): column
+// 16 t + 8 h + i of a 64-column chunk is nibble 4 h + t of the chunk's word i.
+__host__ __device__ inline void zero_locate(int64_t col, int64_t n, int64_t *word, int *shift) {
+  const int c = int(col % 64), t = c / 16, h = (c % 16) / 8, i = c % 8;
+  *word = col / 64 * 8 + i;
+  *shift = 4 * (4 * h + t);
+}
+
 int groups_of(int64_t k, int group_size) { return group_size == -1 ? 1 : int(k / group_size); }
 
 // The packer, written as packing.py's reshape-transpose: rows (tk, d, r, a),
@@ -160,7 +170,8 @@ struct Weight {
   std::vector<uint32_t> qweight;  // packed
   std::vector<uint16_t> scales;   // [groups, n], stored (permuted) order
   std::vector<uint16_t> bias;     // [n]
-  uint32_t *d_qweight = nullptr;
+  std::vector<uint32_t> zeros;    // [groups, n / 8] packed zero points, or empty (z = 8)
+  uint32_t *d_qweight = nullptr, *d_zeros = nullptr;
   uint16_t *d_scales = nullptr, *d_bias = nullptr;
 
   int nibble(int64_t row, int64_t col) const {
@@ -173,9 +184,17 @@ struct Weight {
     const int64_t g = group_size == -1 ? 0 : row / group_size;
     return to_float(scales[g * n + scale_position(col, group_size)], bf16);
   }
+  int zero(int64_t row, int64_t col) const {
+    if (zeros.empty()) return 8;
+    const int64_t g = group_size == -1 ? 0 : row / group_size;
+    int64_t word;
+    int shift;
+    zero_locate(col, n, &word, &shift);
+    return int(zeros[g * (n / 8) + word] >> shift) & 15;
+  }
   // The dequantized weight as the kernel multiplies by it, in float64.
   double value(int64_t row, int64_t col) const {
-    return to_float(from_float(float(nibble(row, col) - 8) * scale(row, col), bf16), bf16);
+    return to_float(from_float(float(nibble(row, col) - zero(row, col)) * scale(row, col), bf16), bf16);
   }
   void upload() {
     check(cudaMalloc(&d_qweight, qweight.size() * 4), "cudaMalloc qweight");
@@ -184,15 +203,22 @@ struct Weight {
     check(cudaMemcpy(d_qweight, qweight.data(), qweight.size() * 4, cudaMemcpyHostToDevice), "copy");
     check(cudaMemcpy(d_scales, scales.data(), scales.size() * 2, cudaMemcpyHostToDevice), "copy");
     check(cudaMemcpy(d_bias, bias.data(), bias.size() * 2, cudaMemcpyHostToDevice), "copy");
+    if (!zeros.empty()) {
+      check(cudaMalloc(&d_zeros, zeros.size() * 4), "cudaMalloc zeros");
+      check(cudaMemcpy(d_zeros, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice), "copy");
+    }
   }
   void release() {
     cudaFree(d_qweight);
     cudaFree(d_scales);
     cudaFree(d_bias);
-    d_qweight = nullptr;
+    cudaFree(d_zeros);
+    d_qweight = d_zeros = nullptr;
     d_scales = d_bias = nullptr;
   }
 };
+
+bool g_zeros = false;  // --zeros
 
 Weight random_weight(int64_t k, int64_t n, int group_size, bool bf16, uint64_t seed) {
   Weight w{k, n, group_size, bf16};
@@ -204,6 +230,11 @@ Weight random_weight(int64_t k, int64_t n, int group_size, bool bf16, uint64_t s
   for (auto &x : w.scales) x = from_float(float((0.5 + uniform(state)) * unit), bf16);
   w.bias.resize(n);
   for (auto &x : w.bias) x = from_float(float(2 * uniform(state) - 1), bf16);
+  if (g_zeros) {
+    // Every nibble of every word a zero point: 0..15, as asymmetric GPTQ and AWQ store them.
+    w.zeros.resize(size_t(groups_of(k, group_size)) * (n / 8));
+    for (auto &x : w.zeros) x = uint32_t(splitmix(state));
+  }
   return w;
 }
 
@@ -235,8 +266,9 @@ __global__ void fill_x(uint16_t *x, size_t count, uint32_t seed, bool bf16) {
 
 #ifndef NO_CUBLAS
 // The dense dequantized weight [k, n] (for cuBLAS), by the layout's formula.
-__global__ void dequantize_dense(const uint32_t *qweight, const uint16_t *scales, uint16_t *w,
-                                 int64_t k, int64_t n, int group_size, bool bf16) {
+__global__ void dequantize_dense(const uint32_t *qweight, const uint16_t *scales,
+                                 const uint32_t *zeros, uint16_t *w, int64_t k, int64_t n,
+                                 int group_size, bool bf16) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < k * n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / n, col = i % n;
     int64_t word;
@@ -245,7 +277,14 @@ __global__ void dequantize_dense(const uint32_t *qweight, const uint16_t *scales
     const int q = int(qweight[word] >> shift) & 15;
     const int64_t g = group_size == -1 ? 0 : row / group_size;
     const float s = dev_float(scales[g * n + scale_position(col, group_size)], bf16);
-    w[i] = dev_bits(float(q - 8) * s, bf16);
+    int z = 8;
+    if (zeros) {
+      int64_t zword;
+      int zshift;
+      zero_locate(col, n, &zword, &zshift);
+      z = int(zeros[g * (n / 8) + zword] >> zshift) & 15;
+    }
+    w[i] = dev_bits(float(q - z) * s, bf16);
   }
 }
 #endif
@@ -357,17 +396,17 @@ struct Call {
 };
 
 std::string run(const Call &call, const void *x, const uint32_t *qweight, const uint16_t *scales,
-                const uint16_t *bias, void *c, int64_t m, int64_t n, int64_t k, int group_size,
-                bool bf16, const Scratch &scratch, cudaStream_t stream) {
+                const uint32_t *zeros, const uint16_t *bias, void *c, int64_t m, int64_t n,
+                int64_t k, int group_size, bool bf16, const Scratch &scratch, cudaStream_t stream) {
   const void *b = call.with_bias ? bias : nullptr;
   current_case = std::string(bf16 ? "bf16" : "fp16") + " g" + std::to_string(group_size) + " m " + std::to_string(m) +
                  " k " + std::to_string(k) + " n " + std::to_string(n) + " tile " + config_name(call.config) +
-                 (b ? " bias" : "");
+                 (b ? " bias" : "") + (zeros ? " zeros" : "");
   if (call.config.block_m == 0)
-    return marlin::prefill_matmul(x, qweight, scales, nullptr, b, c, m, n, k, group_size, bf16,
+    return marlin::prefill_matmul(x, qweight, scales, zeros, b, c, m, n, k, group_size, bf16,
                                   scratch.counters, scratch.partials, stream, false,
                                   !g_memset_counters);
-  return marlin::prefill_matmul_config(call.config, x, qweight, scales, nullptr, b, c, m, n, k, group_size,
+  return marlin::prefill_matmul_config(call.config, x, qweight, scales, zeros, b, c, m, n, k, group_size,
                                        bf16, scratch.counters, scratch.partials, stream, false,
                                        !g_memset_counters);
 }
@@ -521,7 +560,7 @@ void self_test_tile(bool bf16, cudaStream_t stream) {
     Scratch scratch;
     scratch.allocate(m, n, k);
     Call call{{64, 128, 1}, false};
-    std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
+    std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
     finish(stream, "self-test tile");
     std::vector<uint16_t> c(m * n);
     check(cudaMemcpy(c.data(), out.c(), c.size() * 2, cudaMemcpyDeviceToHost), "copy C");
@@ -554,7 +593,7 @@ void self_test_tile(bool bf16, cudaStream_t stream) {
     fill_x<<<64, 256, 0, stream>>>(d_x, m * k, 3, bf16);
     out.poison(stream);
     call.with_bias = true;
-    why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
+    why = run(call, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
     finish(stream, "self-test tile random");
     std::vector<int64_t> all(64);
     for (int i = 0; i < 64; ++i) all[i] = i;
@@ -595,7 +634,7 @@ void self_test_coverage(bool bf16, bool quick, cudaStream_t stream) {
           Scratch scratch;
           scratch.allocate(m, n, k);
           Call call{{block_m, block_n, splits ? splits : 1, splits == 0}, (m + splits) % 2 == 0};
-          std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
+          std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
           finish(stream, "coverage");
           std::vector<int64_t> rows = sample(m, 40, m, {64, 128, 256}), cols = sample(n, 192, 3, {});
           CheckResult r = check_sample(w, d_x, out.c(), m, call.with_bias, rows, cols, bf16 ? 3e-3 : 1e-3, "coverage");
@@ -720,7 +759,8 @@ void run_cases(const Options &opt, cudaStream_t stream) {
         for (int i = 0; i < dense_copies; ++i) {
           check(cudaMalloc(&dense[i], dense_bytes), "cudaMalloc dense weight");
           if (i == 0)
-            dequantize_dense<<<4096, 256, 0, stream>>>(w.d_qweight, w.d_scales, dense[0], k, n, group_size, bf16);
+            dequantize_dense<<<4096, 256, 0, stream>>>(w.d_qweight, w.d_scales, w.d_zeros, dense[0], k, n,
+                                                        group_size, bf16);
           else
             check(cudaMemcpyAsync(dense[i], dense[0], dense_bytes, cudaMemcpyDeviceToDevice, stream), "copy");
         }
@@ -738,9 +778,9 @@ void run_cases(const Options &opt, cudaStream_t stream) {
           // finiteness, a bit-identical second call.
           out.poison(stream);
           again.poison(stream);
-          std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
+          std::string why = run(call, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, out.c(), m, n, k, group_size, bf16, scratch, stream);
           if (why.empty())
-            why = run(call, d_x, w.d_qweight, w.d_scales, w.d_bias, again.c(), m, n, k, group_size, bf16, scratch, stream);
+            why = run(call, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, again.c(), m, n, k, group_size, bf16, scratch, stream);
           finish(stream, "check calls");
           char label[96];
           std::snprintf(label, sizeof(label), "%-5s %-4d %5lldx%-6lld", bf16 ? "bf16" : "fp16", group_size,
@@ -763,7 +803,7 @@ void run_cases(const Options &opt, cudaStream_t stream) {
             Call plain{chosen, false};
             again.poison(stream);
             if (why.empty())
-              why = run(plain, d_x, w.d_qweight, w.d_scales, w.d_bias, again.c(), m, n, k, group_size, bf16, scratch, stream);
+              why = run(plain, d_x, w.d_qweight, w.d_scales, w.d_zeros, w.d_bias, again.c(), m, n, k, group_size, bf16, scratch, stream);
             const float alpha = 1.f, beta = 0.f;
             cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(m), int(k), &alpha,
                                              dense[0], bf16 ? CUDA_R_16BF : CUDA_R_16F, int(n), d_x,
@@ -803,7 +843,8 @@ void run_cases(const Options &opt, cudaStream_t stream) {
               Call timed{cfg, false};
               std::string err;
               auto call_ours = [&](int i) {
-                std::string e = run(timed, d_x, qs[i % q_copies], ss[i % q_copies], nullptr, out.c(), m, n, k,
+                // (The zero points, 1/64 of the weights' bytes, are not rotated.)
+                std::string e = run(timed, d_x, qs[i % q_copies], ss[i % q_copies], w.d_zeros, nullptr, out.c(), m, n, k,
                                     group_size, bf16, scratch, stream);
                 if (!e.empty()) err = e;
               };
@@ -908,6 +949,7 @@ int main(int argc, char **argv) {
     else if (a == "--splits") opt.force.splits = std::atoi(value().c_str());
     else if (a == "--stream-k") opt.force.stream_k = true;
     else if (a == "--memset-counters") g_memset_counters = true;
+    else if (a == "--zeros") g_zeros = true;
     else if (a == "--shapes") {
       opt.shapes.clear();
       for (auto &s : split_list(value())) {
