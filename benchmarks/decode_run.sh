@@ -28,6 +28,14 @@ stages=${*:-build check time block sweep step tests sanitize}
 has() { [[ " $stages " == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 BIN=/tmp/decode_bench
+# prefill_bench from the kernel sources in FFI_DIR into OUTPUT (sm_90a: wgmma),
+# with any further nvcc arguments.
+build_prefill_bench() {
+  local ffi_dir=$1 output=$2
+  shift 2
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I"$ffi_dir" "$@" \
+    benchmarks/prefill_bench.cu "$ffi_dir/prefill_sm90.cu" -lcublas -o "$output"
+}
 
 # 70B and 8B layers (k:n).
 LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
@@ -45,8 +53,7 @@ if has build; then
   nvcc $F -Xptxas -v -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$OUT/ptxas.txt" 2>&1 &
   nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi benchmarks/prefill_bench.cu ffi/prefill_sm90.cu \
-    -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
+  build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
   nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
   nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
   wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
@@ -135,13 +142,10 @@ if has prefill; then
 fi
 
 if has pncu; then
-  # Why the prefill kernel is slow at m = 64: the best 8192 x 8192 launch (64 x 256
-  # tiles split 4 ways, 28.7 us on the H200) runs a stage in ~830 cycles where its
-  # wgmmas need ~512 and its issue ~400, and pays ~15 us of fixed cost where ~5
-  # are expected (benchmarks/NOTES.md, 2026-12-07).
+  # One prefill launch's throughputs, occupancy and stall summary (the best
+  # 8192 x 8192 launch at m = 64 by default); psrc below goes per instruction.
   step "Nsight Compute on the prefill kernel (${PNCU_SHAPE:=8192x8192}, m = ${PNCU_M:=64}, fp16 g128)"
-  [ -x /tmp/prefill_bench ] || nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
-    benchmarks/prefill_bench.cu ffi/prefill_sm90.cu -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
+  [ -x /tmp/prefill_bench ] || build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
   timeout 150 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
@@ -157,8 +161,7 @@ if has psrc; then
   # full set and its source page), on PSRC_CASES ("shape:m ...", fp16 g128, the
   # table's configuration), with shared-memory wavefronts and bank conflicts.
   step "Nsight Compute source view of the prefill kernel (${PSRC_CASES:=8192x8192:64 4096x4096:64 8192x8192:128})"
-  [ -x /tmp/prefill_bench ] || nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Iffi \
-    benchmarks/prefill_bench.cu ffi/prefill_sm90.cu -lcublas -o /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1
+  [ -x /tmp/prefill_bench ] || build_prefill_bench ffi /tmp/prefill_bench -lineinfo > "$OUT/prefill-build.log" 2>&1
   for c in $PSRC_CASES; do
     r=/tmp/psrc-${c/:/-m}
     timeout 120 ncu --clock-control none --set full --import-source no --kernel-name regex:prefill_kernel \
@@ -188,8 +191,7 @@ if has pab; then
   for n in $pnames; do
     d=/tmp/pab/$n && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/"
     if [ "$n" != tree ]; then patch -s -d "$d" -p1 < "$1" || { echo "$1 does not apply"; exit 1; }; shift; fi
-    nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I"$d/ffi" -Xptxas -v benchmarks/prefill_bench.cu \
-      "$d/ffi/prefill_sm90.cu" -lcublas -o "$d/prefill_bench" > "$OUT/pab-build-$n.log" 2>&1 &
+    build_prefill_bench "$d/ffi" "$d/prefill_bench" -Xptxas -v > "$OUT/pab-build-$n.log" 2>&1 &
   done
   wait
   for n in $pnames; do

@@ -130,13 +130,12 @@ __host__ __device__ inline int64_t scale_position(int64_t col, int group_size) {
   return col - c + 8 * (c % 8) + c / 8;
 }
 
-// The word (within a row of zero points) and shift of logical column `col`'s
-// zero point (jax_marlin/packing.py, "the zero-point layout"): column
+// Logical column `col`'s zero point in row `g` of the packed zero points
+// [groups, n / 8] (jax_marlin/packing.py, "the zero-point layout"): column
 // 16 t + 8 h + i of a 64-column chunk is nibble 4 h + t of the chunk's word i.
-__host__ __device__ inline void zero_locate(int64_t col, int64_t n, int64_t *word, int *shift) {
+__host__ __device__ inline int zero_point(const uint32_t *zeros, int64_t g, int64_t col, int64_t n) {
   const int c = int(col % 64), t = c / 16, h = (c % 16) / 8, i = c % 8;
-  *word = col / 64 * 8 + i;
-  *shift = 4 * (4 * h + t);
+  return int(zeros[g * (n / 8) + col / 64 * 8 + i] >> (4 * (4 * h + t))) & 15;
 }
 
 int groups_of(int64_t k, int group_size) { return group_size == -1 ? 1 : int(k / group_size); }
@@ -186,11 +185,7 @@ struct Weight {
   }
   int zero(int64_t row, int64_t col) const {
     if (zeros.empty()) return 8;
-    const int64_t g = group_size == -1 ? 0 : row / group_size;
-    int64_t word;
-    int shift;
-    zero_locate(col, n, &word, &shift);
-    return int(zeros[g * (n / 8) + word] >> shift) & 15;
+    return zero_point(zeros.data(), group_size == -1 ? 0 : row / group_size, col, n);
   }
   // The dequantized weight as the kernel multiplies by it, in float64.
   double value(int64_t row, int64_t col) const {
@@ -277,13 +272,7 @@ __global__ void dequantize_dense(const uint32_t *qweight, const uint16_t *scales
     const int q = int(qweight[word] >> shift) & 15;
     const int64_t g = group_size == -1 ? 0 : row / group_size;
     const float s = dev_float(scales[g * n + scale_position(col, group_size)], bf16);
-    int z = 8;
-    if (zeros) {
-      int64_t zword;
-      int zshift;
-      zero_locate(col, n, &zword, &zshift);
-      z = int(zeros[g * (n / 8) + zword] >> zshift) & 15;
-    }
+    const int z = zeros ? zero_point(zeros, g, col, n) : 8;
     w[i] = dev_bits(float(q - z) * s, bf16);
   }
 }
