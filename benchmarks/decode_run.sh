@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc pab step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc pab step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -175,6 +175,29 @@ if has psrc; then
     python3 benchmarks/ncu_source_top.py "$r.csv" 30 2>&1 | head -45
   done
   cat /tmp/psrc-*.csv | gzip > "$OUT/psrc-csv.gz"
+fi
+
+if has dsrc; then
+  # Where the decode kernel's warps stall, per SASS instruction, on DSRC_CASES
+  # ("m:k:n" or "m:k:n:flag", flag a decode_bench option without its dashes:
+  # zeros, act-order), fp16 g128, the table's configuration. Needs the build
+  # stage's objects; the kernel is rebuilt with -lineinfo.
+  step "Nsight Compute source view of the decode kernel (${DSRC_CASES:=16:4096:28672 16:4096:28672:zeros})"
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi -lineinfo -c ffi/decode_kernel.cu \
+    -o /tmp/db/decode.o && nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || exit 1
+  for c in $DSRC_CASES; do
+    IFS=: read -r m k n flag <<< "$c"
+    r=/tmp/dsrc-$m-$k-$n-${flag:-sym}
+    timeout 120 ncu --clock-control none --set full --import-source no --kernel-name regex:decode_kernel \
+      --launch-skip 3 --launch-count 1 -f -o "$r" /tmp/decode_bench_lineinfo --reps 2 ${flag:+--$flag} \
+      "$m:$k:$n" > /dev/null 2>&1
+    echo "--- $c: exit $?"
+    ncu -i "$r.ncu-rep" --print-details all --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section SchedulerStats 2>&1 |
+      grep -E "Duration|Registers Per|Achieved Occupancy|Memory Throughput|Issued Warp|Eligible Warps|No Eligible" | head -12
+    ncu -i "$r.ncu-rep" --page source --csv --print-source sass > "$r.csv" 2>&1
+    python3 benchmarks/ncu_source_top.py "$r.csv" 20 2>&1 | head -32
+  done
 fi
 
 if has pab; then

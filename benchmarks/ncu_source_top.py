@@ -51,6 +51,8 @@ def kind(source, after_trywait):
         return "mbarrier wait"
     if op.startswith("HGMMA"):
         return "HGMMA"
+    if op.startswith("HMMA"):
+        return "HMMA"
     if op.startswith("WARPGROUP"):
         return "WARPGROUP arrive/depbar"
     if op.startswith("MEMBAR") or op in ("ERRBAR", "CCTL"):
@@ -75,7 +77,8 @@ def summarize(name, header, rows, top):
 
     total = sum(get(r, SAMPLES) for r in rows) or 1.0
     print(f"\n== {re.sub(r'^void ', '', name)[:110]}")
-    print(f"{len(rows)} SASS lines, {total:.0f} stall samples")
+    executed = sum(get(r, EXECUTED) for r in rows)
+    print(f"{len(rows)} SASS lines, {executed:.0f} warp instructions executed, {total:.0f} stall samples")
 
     def by_reason(subset):
         sums = collections.Counter({h[6:]: sum(get(r, h) for r in subset) for h in reasons})
@@ -83,9 +86,9 @@ def summarize(name, header, rows, top):
         return ", ".join(f"{h} {v / part * 100:.0f}%" for h, v in sums.most_common(8) if v)
 
     print("  all samples by reason:", by_reason(rows))
-    hgmma = [get(r, EXECUTED) for r in rows if "HGMMA" in r[col["Source"]]]
-    if hgmma:
-        most = max(hgmma)
+    mma = [get(r, EXECUTED) for r in rows if re.search(r"\bHG?MMA", r[col["Source"]])]
+    if mma:
+        most = max(mma)
         where = [i for i, r in enumerate(rows) if get(r, EXECUTED) == most]
         loop = rows[min(where):max(where) + 1]
         part = sum(get(r, SAMPLES) for r in loop)

@@ -460,10 +460,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // thread's two words of a k step are adjacent (4 lane + 2 (warp % 2) +
   // {0, 1}) and come in one 8-byte shared load. Any assignment of 16-column
   // tiles to a wgmma's rows is a valid product; the scales, zero points and
-  // the epilogue follow it. Not with zero points yet: that path follows the
-  // same mapping but has not run on a GPU (the pair loads were checked by
-  // prefill_bench's self-test and the table tests, symmetric weights only).
-  constexpr bool pair = wg_chunks == 2 && !has_zeros;
+  // the epilogue follow it. With zero points too: -2 to -6% on the 64 x 256
+  // rows at m = 64 (H100, prefill_bench --zeros; benchmarks/NOTES.md).
+  constexpr bool pair = wg_chunks == 2;
   auto chunk_of = [&](int c) { return pair ? warp / 2 : c; };      // of the warpgroup's chunks
   auto tile_of = [&](int c) { return pair ? 2 * (warp % 2) + c : warp; };  // 16 columns in it
 
