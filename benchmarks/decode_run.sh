@@ -37,6 +37,21 @@ build_prefill_bench() {
     benchmarks/prefill_bench.cu "$ffi_dir/prefill_sm90.cu" -lcublas -o "$output"
 }
 
+# decode_bench's objects in /tmp/db, compiled in the background (the caller
+# waits): the Marlin kernel's instances, its launcher, the prefill and decode
+# kernels, the benchmark. Further arguments go to the decode kernel's nvcc.
+F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
+compile_decode_objects() {
+  mkdir -p /tmp/db
+  for s in half nv_bfloat16; do for g in -1 2 4 8; do for z in 0 1; do
+    nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -DMARLIN_ZEROS=$z -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_${g}_$z.o &
+  done; done; done
+  nvcc $F "$@" -c ffi/decode_kernel.cu -o /tmp/db/decode.o &
+  nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &
+  nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
+}
+
 # 70B and 8B layers (k:n).
 LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
 
@@ -46,15 +61,8 @@ if has build; then
   JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
     python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 &
   PIP=$!
-  mkdir -p /tmp/db && F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
-  for s in half nv_bfloat16; do for g in -1 2 4 8; do for z in 0 1; do
-    nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -DMARLIN_ZEROS=$z -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_${g}_$z.o &
-  done; done; done
-  nvcc $F -Xptxas -v -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$OUT/ptxas.txt" 2>&1 &
-  nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &
+  compile_decode_objects -Xptxas -v > "$OUT/ptxas.txt" 2>&1
   build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
-  nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
   nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
   wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
   nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
@@ -180,11 +188,12 @@ fi
 if has dsrc; then
   # Where the decode kernel's warps stall, per SASS instruction, on DSRC_CASES
   # ("m:k:n" or "m:k:n:flag", flag a decode_bench option without its dashes:
-  # zeros, act-order), fp16 g128, the table's configuration. Needs the build
-  # stage's objects; the kernel is rebuilt with -lineinfo.
+  # zeros, act-order), fp16 g128, the table's configuration; built here, the
+  # decode kernel with -lineinfo.
   step "Nsight Compute source view of the decode kernel (${DSRC_CASES:=16:4096:28672 16:4096:28672:zeros})"
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi -lineinfo -c ffi/decode_kernel.cu \
-    -o /tmp/db/decode.o && nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || exit 1
+  compile_decode_objects -lineinfo
+  wait
+  nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || exit 1
   for c in $DSRC_CASES; do
     IFS=: read -r m k n flag <<< "$c"
     r=/tmp/dsrc-$m-$k-$n-${flag:-sym}
@@ -280,7 +289,6 @@ ab_sources() {
 
 if has ab; then
   step "ab: decode-kernel variants (${VARIANTS:-none}) against the tree's"
-  F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
   ab_sources
   # (-Iffi: a variant outside ffi/ includes the kernel's headers from there.)
   for n in $names; do nvcc $F -Xptxas -v -c "/tmp/ab/$n.cu" -o "/tmp/ab/$n.o" > "$OUT/ab-ptxas-$n.txt" 2>&1 & done
