@@ -17,7 +17,8 @@
 # "1 8 16"; decode_bench --chain on the 8B layers at m = 1 and 16). Stage
 # abstep builds the package once per variant and times the JAX decode step
 # (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each, under each
-# of $AB_SETTINGS (default: the environment as it is) and $AB_XLA_FLAGS.
+# of $AB_SETTINGS (default: the environment as it is) and $AB_XLA_FLAGS. With
+# AB_ZEROS=1, stage ab also times every variant with zero points.
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -320,6 +321,19 @@ if has ab; then
   echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
   for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
   paste $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done) | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+  if [ -n "${AB_ZEROS:-}" ]; then
+    # Zero points (AB_ZEROS=1): the decode rows as independent calls (decode_bench --reps 100,
+    # fp16 g128), the tree with symmetric weights first, then every variant with zero points.
+    zc=$(for m in 1 4 16; do for l in $LAYERS; do echo -n "$m:$l "; done; done)
+    /tmp/ab/decode_bench_tree --reps 100 $zc > "$OUT/ab-sym-tree.txt" 2>&1
+    for n in $names; do "/tmp/ab/decode_bench_$n" --reps 100 --zeros $zc > "$OUT/ab-zeros-$n.txt" 2>&1; done
+    echo "us per call, symmetric (tree) and with zero points, per variant: $names"
+    for f in sym-tree $(for n in $names; do echo "zeros-$n"; done); do
+      grep -E "^ +[0-9]" "$OUT/ab-$f.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/ab/$f.us"
+    done
+    paste /tmp/ab/sym-tree.us $(for n in $names; do echo "/tmp/ab/zeros-$n.us"; done) |
+      awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+  fi
 fi
 
 if has abstep; then
