@@ -40,14 +40,17 @@ build_prefill_bench() {
 
 # decode_bench's objects in /tmp/db, compiled in the background (the caller
 # waits): the Marlin kernel's instances, its launcher, the prefill and decode
-# kernels, the benchmark. Further arguments go to the decode kernel's nvcc.
+# kernels, the benchmark. The decode kernel's nvcc output goes to LOG, and
+# further arguments to its nvcc: compile_decode_objects LOG [nvcc args].
 F="-std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iffi"
 compile_decode_objects() {
+  local log=$1
+  shift
   mkdir -p /tmp/db
   for s in half nv_bfloat16; do for g in -1 2 4 8; do for z in 0 1; do
     nvcc $F -DMARLIN_SCALAR=$s -DMARLIN_GROUP_BLOCKS=$g -DMARLIN_ZEROS=$z -c ffi/marlin_instance.cu -o /tmp/db/i_${s}_${g}_$z.o &
   done; done; done
-  nvcc $F "$@" -c ffi/decode_kernel.cu -o /tmp/db/decode.o &
+  nvcc $F "$@" -c ffi/decode_kernel.cu -o /tmp/db/decode.o > "$log" 2>&1 &
   nvcc $F -c ffi/marlin_kernel.cu -o /tmp/db/launcher.o &
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi -c ffi/prefill_sm90.cu -o /tmp/db/prefill.o &
   nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
@@ -62,7 +65,7 @@ if has build; then
   JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
     python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 &
   PIP=$!
-  compile_decode_objects -Xptxas -v > "$OUT/ptxas.txt" 2>&1
+  compile_decode_objects "$OUT/ptxas.txt" -Xptxas -v
   build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
   nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
   wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
@@ -192,9 +195,9 @@ if has dsrc; then
   # zeros, act-order), fp16 g128, the table's configuration; built here, the
   # decode kernel with -lineinfo.
   step "Nsight Compute source view of the decode kernel (${DSRC_CASES:=16:4096:28672 16:4096:28672:zeros})"
-  compile_decode_objects -lineinfo
+  compile_decode_objects "$OUT/dsrc-build.log" -lineinfo
   wait
-  nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || exit 1
+  nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || { cat "$OUT/dsrc-build.log"; exit 1; }
   for c in $DSRC_CASES; do
     IFS=: read -r m k n flag <<< "$c"
     r=/tmp/dsrc-$m-$k-$n-${flag:-sym}
