@@ -1,5 +1,5 @@
 // CUDA error checks and event timing shared by the kernel timers
-// (decode_bench.cu, stream_probe.cu, kernel_bench.cu).
+// (decode_bench.cu, stream_probe.cu, l2_probe.cu, kernel_bench.cu).
 #pragma once
 
 #include <cuda_runtime.h>

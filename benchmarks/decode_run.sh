@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc pab step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 pab step sanitize zp ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -211,6 +211,13 @@ if has dsrc; then
     ncu -i "$r.ncu-rep" --page source --csv --print-source sass > "$r.csv" 2>&1
     python3 benchmarks/ncu_source_top.py "$r.csv" 20 2>&1 | head -32
   done
+fi
+
+if has l2; then
+  # What L2 delivers to the SMs through bulk copies, for the question of
+  # whether the prefill kernel's 64-row tiles are bound by L2 (l2_probe.cu).
+  step "l2: bulk copies from L2 and from HBM, one block per SM (l2_probe)"
+  nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/l2_probe.cu -o /tmp/l2_probe && /tmp/l2_probe
 fi
 
 if has pab; then

@@ -1,6 +1,7 @@
 // Shared-memory mbarriers and the bulk copy that completes on them (sm_90):
 // the prefill kernel's stage ring (prefill_sm90.cuh), the decode kernel's
-// inboxes of partial sums (decode_kernel.cu) and benchmarks/racecheck_probe.cu.
+// inboxes of partial sums (decode_kernel.cu), benchmarks/racecheck_probe.cu and
+// benchmarks/l2_probe.cu.
 // A barrier is addressed by its 32-bit shared-memory address (smem_addr).
 #pragma once
 
