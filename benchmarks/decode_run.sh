@@ -217,7 +217,7 @@ if has l2; then
   # What L2 delivers to the SMs through bulk copies, for the question of
   # whether the prefill kernel's 64-row tiles are bound by L2 (l2_probe.cu).
   step "l2: bulk copies from L2 and from HBM, one block per SM (l2_probe)"
-  nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/l2_probe.cu -o /tmp/l2_probe && /tmp/l2_probe
+  nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/l2_probe.cu -o /tmp/l2_probe && timeout 60 /tmp/l2_probe
 fi
 
 if has pab; then
