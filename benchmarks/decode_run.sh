@@ -56,6 +56,12 @@ compile_decode_objects() {
   nvcc $F -c benchmarks/decode_bench.cu -o /tmp/db/bench.o &
 }
 
+# Files of "case value" lines, one per variant, as one table: each case and its
+# values side by side.
+side_by_side() {
+  paste "$@" | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+}
+
 # 70B and 8B layers (k:n).
 LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
 
@@ -330,7 +336,7 @@ if has ab; then
     awk -F'\t' '{printf "%-28s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
   echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
   for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
-  paste $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done) | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+  side_by_side $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done)
   if [ -n "${AB_ZEROS:-}" ]; then
     # Zero points (AB_ZEROS=1): the decode rows as independent calls (decode_bench --reps 100,
     # fp16 g128), the tree with symmetric weights first, then every variant with zero points.
@@ -341,8 +347,7 @@ if has ab; then
     for f in sym-tree $(for n in $names; do echo "zeros-$n"; done); do
       grep -E "^ +[0-9]" "$OUT/ab-$f.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/ab/$f.us"
     done
-    paste /tmp/ab/sym-tree.us $(for n in $names; do echo "/tmp/ab/zeros-$n.us"; done) |
-      awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
+    side_by_side /tmp/ab/sym-tree.us $(for n in $names; do echo "/tmp/ab/zeros-$n.us"; done)
   fi
 fi
 

@@ -68,11 +68,17 @@ __global__ void __launch_bounds__(32) probe(const char *src, int64_t block_strid
     mbar_wait(smem_addr(&full[i % stages]), (i / stages) & 1);
 }
 
+enum Pattern { kShared, kStaggered, kDistinct };
+
 struct Case {
-  const char *pattern;
+  Pattern pattern;
   int64_t footprint;  // bytes each block walks
   int chunk, stages;
 };
+
+const char *name(Pattern p) {
+  return p == kShared ? "shared" : p == kStaggered ? "staggered" : "distinct";
+}
 
 }  // namespace
 
@@ -89,10 +95,10 @@ int main() {
   // A 1 MB footprint is the activations of m = 64, k = 8192 in fp16; the
   // distinct rows fit L2 (sms x 128 KB) or do not (sms x 2 MB).
   const Case cases[] = {
-      {"shared", 1 * kMB, 16 * int(kKB), 8},   {"shared", 1 * kMB, 8 * int(kKB), 8},
-      {"shared", 1 * kMB, 16 * int(kKB), 4},   {"shared", 64 * kKB, 16 * int(kKB), 8},
-      {"staggered", 1 * kMB, 16 * int(kKB), 8}, {"distinct", 128 * kKB, 16 * int(kKB), 8},
-      {"distinct", 128 * kKB, 8 * int(kKB), 8}, {"distinct", 2 * kMB, 16 * int(kKB), 8},
+      {kShared, 1 * kMB, 16 * int(kKB), 8},    {kShared, 1 * kMB, 8 * int(kKB), 8},
+      {kShared, 1 * kMB, 16 * int(kKB), 4},    {kShared, 64 * kKB, 16 * int(kKB), 8},
+      {kStaggered, 1 * kMB, 16 * int(kKB), 8}, {kDistinct, 128 * kKB, 16 * int(kKB), 8},
+      {kDistinct, 128 * kKB, 8 * int(kKB), 8}, {kDistinct, 2 * kMB, 16 * int(kKB), 8},
   };
   char *buffer;
   check(cudaMalloc(&buffer, int64_t(sms) * 2 * kMB), "malloc");
@@ -103,8 +109,8 @@ int main() {
   std::printf("%-10s %10s %8s %7s %10s %9s %8s\n", "pattern", "footprint", "chunk", "stages", "MB moved",
               "us", "TB/s");
   for (const Case &c : cases) {
-    const bool distinct = c.pattern[0] == 'd';
-    const int start_step = c.pattern[1] == 't' ? 1 : 0;  // "staggered"
+    const bool distinct = c.pattern == kDistinct;
+    const int start_step = c.pattern == kStaggered ? 1 : 0;
     // About 4 MB per block: 0.5 GB in all, tens of microseconds or more.
     const int iters = int(4 * kMB / c.chunk);
     const int shared = c.chunk * c.stages;
@@ -115,7 +121,7 @@ int main() {
     const float us = time_calls(one, 20, stream);
     check(cudaGetLastError(), "probe launch");
     const double bytes = double(sms) * iters * c.chunk;
-    std::printf("%-10s %8.0fKB %6dKB %7d %10.1f %9.2f %8.3f\n", c.pattern, c.footprint / double(kKB),
+    std::printf("%-10s %8.0fKB %6dKB %7d %10.1f %9.2f %8.3f\n", name(c.pattern), c.footprint / double(kKB),
                 c.chunk / int(kKB), c.stages, bytes / 1e6, us, bytes / (us * 1e-6) / 1e12);
   }
   check(cudaStreamSynchronize(stream), "probe");
