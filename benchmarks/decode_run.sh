@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 pab step sanitize zp ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 pab step sanitize zp lab ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -279,6 +279,39 @@ if has zp; then
   $BIN --sweep --reps 100 --zeros 16:4096:28672 16:4096:6144 > "$OUT/zp-sweep-zp.log" 2>&1
   grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-sym.log" | sed 's/^/symmetric: /'
   grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-zp.log" | sed 's/^/zero points: /'
+fi
+
+if has lab; then
+  # Launcher variants (after build): LVARIANTS="x.diff ..." patches of
+  # ffi/marlin_kernel.cu, each linked into its own decode_bench beside the
+  # tree's; every variant timed with act-order (decode_bench --reps 100 and
+  # --chain, fp16 g128) at the zp stage's shapes, the tree with symmetric
+  # weights first.
+  step "lab: launcher variants (${LVARIANTS:-none}) against the tree's, act-order"
+  mkdir -p /tmp/lab
+  lnames="tree"
+  others=$(ls /tmp/db/*.o | grep -v /launcher.o)
+  cp $BIN /tmp/lab/decode_bench_tree
+  for v in ${LVARIANTS:-}; do
+    n=$(basename "${v%.*}") && lnames="$lnames $n"
+    rm -rf "/tmp/lab/$n" && mkdir -p "/tmp/lab/$n" && cp -r ffi "/tmp/lab/$n/"
+    patch -s -d "/tmp/lab/$n" -p1 < "$v" || { echo "$v does not apply"; exit 1; }
+    nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -I"/tmp/lab/$n/ffi" \
+      -c "/tmp/lab/$n/ffi/marlin_kernel.cu" -o "/tmp/lab/$n/launcher.o" &&
+      nvcc -arch=sm_90 $others "/tmp/lab/$n/launcher.o" -o "/tmp/lab/decode_bench_$n" || exit 1
+  done
+  lc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done; done)
+  /tmp/lab/decode_bench_tree --reps 100 $lc > "$OUT/lab-sym.txt" 2>&1
+  for n in $lnames; do "/tmp/lab/decode_bench_$n" --reps 100 --act-order --chain $lc > "$OUT/lab-ao-$n.txt" 2>&1; done
+  grep -E "^ +[0-9]" "$OUT/lab-sym.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > /tmp/lab/sym.us
+  for n in $lnames; do
+    grep -E "^ +[0-9]" "$OUT/lab-ao-$n.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/lab/ao-$n.us"
+    grep -E "^ +[0-9]" "$OUT/lab-ao-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/lab/aog-$n.us"
+  done
+  echo "us per call: symmetric (tree), then act-order per variant ($lnames); independent calls"
+  side_by_side /tmp/lab/sym.us $(for n in $lnames; do echo "/tmp/lab/ao-$n.us"; done)
+  echo "us per call in a CUDA graph of dependent calls, act-order, per variant: $lnames"
+  side_by_side $(for n in $lnames; do echo "/tmp/lab/aog-$n.us"; done)
 fi
 
 if has gsweep; then
