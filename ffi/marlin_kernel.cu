@@ -22,14 +22,14 @@ namespace {
 // Which kernels the launcher may pick on sm_90, for measurements against the
 // Marlin kernel: JAX_MARLIN_DECODE=0 keeps m <= 16 off the decode kernel, and
 // "cw,kw,s" forces a decode configuration; JAX_MARLIN_PREFILL=0 keeps m >= 64
-// off the prefill kernel; JAX_MARLIN_PDL=0 turns the decode and prefill
-// kernels' programmatic dependent launch off; JAX_MARLIN_EARLY_WEIGHTS=0 the
-// decode kernel's early weights in a chain call (Fusion::early_weights), for
-// measurements. Read once per process. (PDL
-// overlaps a kernel with the one before it on the stream: within one call,
-// e.g. the act-order pass and its kernel, and between calls on a plain
-// stream. XLA records each custom call into its command buffer as a child
-// graph of its own, so between two jitted calls it has no effect there; with
+// off the prefill kernel; JAX_MARLIN_PDL=0 turns programmatic dependent
+// launch off (the decode and prefill kernels', the act-order and prologue
+// passes'); JAX_MARLIN_EARLY_WEIGHTS=0 the decode kernel's early weights in a
+// chain call (Fusion::early_weights). Read once per process. (PDL overlaps a
+// kernel with the one before it on the stream: within one call, e.g. the
+// act-order pass and its kernel, and between calls on a plain stream. XLA
+// records each custom call into its command buffer as a child graph of its
+// own, so between two jitted calls it has no effect there; with
 // JAX_MARLIN_COMMAND_BUFFER=0 the calls run on the stream and adjacent ones
 // keep the edge: benchmarks/NOTES.md.)
 struct KernelPolicy {
@@ -70,6 +70,40 @@ const KernelPolicy &kernel_policy() {
 constexpr int kPermuteThreads = 256;
 constexpr int kPermuteMinSplitCols = 2048;  // columns a block writes at least
 
+// Waits for the kernel before this one on the stream to finish, where this
+// one was launched with programmatic dependent launch (a no-op otherwise).
+__device__ inline void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Launches a row pass (the permutation, the prologue), with programmatic
+// dependent launch where `pdl`: its blocks then start while the kernel before
+// it ends (they wait for it before they read A), as the decode and prefill
+// kernels do, rather than after it, so that the pass does not break the
+// chain of overlapped launches on a stream. (H100, act-order as independent
+// calls: 20 of 24 70B and 8B rows faster, by up to 10% at m = 16-64, but
+// 28672 x 8192 at m = 1 10% slower; no change in a CUDA graph of dependent
+// calls, where no kernel of the previous call precedes the pass:
+// benchmarks/NOTES.md.)
+template <typename... Params, typename... Args>
+cudaError_t launch_row_pass(void (*kernel)(Params...), dim3 grid, size_t shared, bool pdl,
+                            cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kPermuteThreads, 1, 1);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = pdl ? 1 : 0;
+  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, args...)) return error;
+  return cudaGetLastError();
+}
+
 template <bool staged>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_columns(const uint16_t *A, const int *perm, uint16_t *out, int k, int split_cols) {
@@ -87,6 +121,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
   const int end = min(k, int(blockIdx.y + 1) * split_cols);
   int4 p_first[2] = {};
   if (j8_first < end / 8) p_first[0] = perm4[2 * j8_first], p_first[1] = perm4[2 * j8_first + 1];
+  // Launched with PDL, this pass may start while the kernel before it ends:
+  // A (which that kernel may write) is read only after it has finished.
+  grid_dependency_wait();
   if constexpr (staged) {
     const int4 *a4 = reinterpret_cast<const int4 *>(src);
     for (int i = threadIdx.x; i < k / 8; i += kPermuteThreads) stage[i] = a4[i];
@@ -115,7 +152,7 @@ int64_t row_split_cols(int64_t m, int64_t k, const DeviceInfo &info) {
 }
 
 std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_t k,
-                    const DeviceInfo &info, int device, cudaStream_t stream) {
+                    const DeviceInfo &info, int device, bool pdl, cudaStream_t stream) {
   const int64_t row_bytes = 2 * k;
   const bool staged = row_bytes <= info.max_shared;
   if (staged) {
@@ -130,10 +167,10 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
   const int64_t split_cols = row_split_cols(m, k, info);
   const int64_t splits = (k + split_cols - 1) / split_cols;
   auto *kernel = staged ? permute_columns<true> : permute_columns<false>;
-  kernel<<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, staged ? size_t(row_bytes) : 0,
-           stream>>>(static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
-                     int(split_cols));
-  if (cudaError_t error = cudaGetLastError())
+  if (cudaError_t error = launch_row_pass(
+          kernel, dim3(unsigned(m), unsigned(splits)), staged ? size_t(row_bytes) : 0, pdl, stream,
+          static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
+          int(split_cols)))
     return cuda_error("act-order permutation launch", error);
   return {};
 }
@@ -161,6 +198,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n");
 #endif
+  grid_dependency_wait();  // A is read from here on
   __shared__ float warp_sums[kPermuteThreads / 32];
   __shared__ float r_row;
   const int64_t row = blockIdx.x;
@@ -217,14 +255,15 @@ __global__ void add_residual(scalar_t *C, const scalar_t *residual, int64_t coun
 
 template <typename scalar_t>
 std::string run_prologue(const void *A, const Fusion &f, const int *perm, void *out, int64_t m,
-                         int64_t k, const DeviceInfo &info, cudaStream_t stream) {
+                         int64_t k, const DeviceInfo &info, bool pdl, cudaStream_t stream) {
   const int64_t split_cols = row_split_cols(m, k, info);
   const int64_t splits = (k + split_cols - 1) / split_cols;
-  prologue_rows<scalar_t><<<dim3(unsigned(m), unsigned(splits)), kPermuteThreads, 0, stream>>>(
-      static_cast<const scalar_t *>(A), static_cast<const scalar_t *>(f.norm_weight), f.swiglu,
-      perm, static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps,
-      int(split_cols));
-  if (cudaError_t error = cudaGetLastError()) return cuda_error("prologue launch", error);
+  if (cudaError_t error = launch_row_pass(
+          prologue_rows<scalar_t>, dim3(unsigned(m), unsigned(splits)), 0, pdl, stream,
+          static_cast<const scalar_t *>(A), static_cast<const scalar_t *>(f.norm_weight), f.swiglu,
+          perm, static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps,
+          int(split_cols)))
+    return cuda_error("prologue launch", error);
   return {};
 }
 
@@ -281,8 +320,10 @@ std::string matmul_product(const void *A, const void *B, const void *s, const vo
   // as it loads x, or otherwise written by a pass into the scratch, past
   // the partial sums (the next kernel starts during it: PDL).
   if (perm && !(decode.valid() && decode_gathers(m, n, k))) {
+    const bool pdl = policy.pdl && info.major >= 9;
     void *permuted = reduce_scratch + permuted_x_offset(m, n, k);
-    if (std::string why = permute(A, perm, permuted, m, k, info, device, stream); !why.empty())
+    if (std::string why = permute(A, perm, permuted, m, k, info, device, pdl, stream);
+        !why.empty())
       return why;
     A = permuted;
     perm = nullptr;
@@ -381,8 +422,10 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   }
   if (fusion.prologue() && !inside.prologue()) {
     void *x_prime = reduce_scratch + permuted_x_offset(m, n, k);
-    std::string why = bf16 ? run_prologue<nv_bfloat16>(A, fusion, perm, x_prime, m, k, info, stream)
-                           : run_prologue<half>(A, fusion, perm, x_prime, m, k, info, stream);
+    const bool pdl = policy.pdl && info.major >= 9;
+    std::string why =
+        bf16 ? run_prologue<nv_bfloat16>(A, fusion, perm, x_prime, m, k, info, pdl, stream)
+             : run_prologue<half>(A, fusion, perm, x_prime, m, k, info, pdl, stream);
     if (!why.empty()) return why;
     A = x_prime;
     perm = nullptr;
