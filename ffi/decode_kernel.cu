@@ -40,6 +40,7 @@
 #include "marlin_kernel.cuh"
 #include "marlin_problem.h"
 #include "mbarrier.cuh"
+#include "pdl_launch.cuh"
 
 namespace marlin {
 
@@ -822,23 +823,10 @@ std::string launch(const DecodeParams &p, const DecodeConfig &c, int64_t shared,
   });
   if (attr_error[device]) return cuda_error("cudaFuncSetAttribute", attr_error[device]);
 
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(c.s, p.n / kChunk / c.cw, 1);
-  config.blockDim = dim3(32 * c.cw * c.kw, 1, 1);
-  config.dynamicSmemBytes = size_t(shared);
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = c.s;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attrs;
-  config.numAttrs = pdl ? 2 : 1;
-  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, p))
+  if (cudaError_t error = launch_kernel(kernel, dim3(c.s, p.n / kChunk / c.cw, 1),
+                                        dim3(32 * c.cw * c.kw), size_t(shared), stream, pdl,
+                                        unsigned(c.s), p))
     return cuda_error("decode kernel launch", error);
-  if (cudaError_t error = cudaGetLastError()) return cuda_error("decode kernel launch", error);
   return {};
 }
 

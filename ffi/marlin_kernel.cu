@@ -13,6 +13,7 @@
 
 #include "decode_kernel.h"
 #include "marlin_launch.h"
+#include "pdl_launch.cuh"
 #include "prefill_sm90.h"
 #include "scratch_sizes.h"
 
@@ -90,18 +91,7 @@ __device__ inline void grid_dependency_wait() {
 template <typename... Params, typename... Args>
 cudaError_t launch_row_pass(void (*kernel)(Params...), dim3 grid, size_t shared, bool pdl,
                             cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kPermuteThreads, 1, 1);
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  config.numAttrs = pdl ? 1 : 0;
-  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, args...)) return error;
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, dim3(kPermuteThreads), shared, stream, pdl, 0, args...);
 }
 
 template <bool staged>

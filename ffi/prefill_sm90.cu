@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "marlin_launch.h"
+#include "pdl_launch.cuh"
 #include "prefill_sm90.cuh"
 
 namespace marlin {
@@ -93,24 +94,15 @@ std::string launch(const CUtensorMap &map, const prefill::Args<scalar_t> &args, 
     return "jax_marlin: the prefill kernel was not built for sm_90a (the device runs an sm_" +
            std::to_string(image[device]) +
            " image); build with -gencode=arch=compute_90a,code=sm_90a";
-  cudaLaunchConfig_t config = {};
-  config.gridDim = args.stream_k_blocks ? dim3(args.stream_k_blocks, 1, 1)
-                                        : dim3(args.m_tiles, (args.n + block_n - 1) / block_n,
-                                               args.splits);
-  config.blockDim = dim3(prefill::kThreads, 1, 1);
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
+  const dim3 grid = args.stream_k_blocks ? dim3(args.stream_k_blocks, 1, 1)
+                                         : dim3(args.m_tiles, (args.n + block_n - 1) / block_n,
+                                                args.splits);
   // With `pdl` the blocks may start while the previous kernel finishes: the
   // producer requests its first stages' weights, then waits for that kernel
   // before it loads A (griddepcontrol.wait); nothing is written before.
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  config.numAttrs = pdl ? 1 : 0;
-  if (cudaError_t error = cudaLaunchKernelEx(&config, kernel, map, args))
+  if (cudaError_t error = launch_kernel(kernel, grid, dim3(prefill::kThreads), size_t(bytes),
+                                        stream, pdl, 0, map, args))
     return cuda_error("prefill kernel launch", error);
-  if (cudaError_t error = cudaGetLastError()) return cuda_error("prefill kernel launch", error);
   return {};
 }
 
