@@ -18,7 +18,8 @@
 # abstep builds the package once per variant and times the JAX decode step
 # (bench_decode_step.py $AB_STEP_ARGS, default --ms 1 8) with each, under each
 # of $AB_SETTINGS (default: the environment as it is) and $AB_XLA_FLAGS. With
-# AB_ZEROS=1, stage ab also times every variant with zero points.
+# AB_ZEROS=1 (AB_ACT_ORDER=1), stage ab also times every variant with zero
+# points (act-order).
 #
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -377,17 +378,29 @@ if has ab; then
   echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
   for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
   side_by_side $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done)
-  if [ -n "${AB_ZEROS:-}" ]; then
-    # Zero points (AB_ZEROS=1): the decode rows as independent calls (decode_bench --reps 100,
-    # fp16 g128), the tree with symmetric weights first, then every variant with zero points.
+  # AB_ZEROS=1, AB_ACT_ORDER=1: the decode rows (decode_bench --reps 100 --chain, fp16 g128),
+  # the tree with symmetric weights first, then every variant with zero points, with
+  # act-order; as independent calls, and in a CUDA graph of dependent calls.
+  kinds="${AB_ZEROS:+zeros} ${AB_ACT_ORDER:+act-order}"
+  if [ -n "${kinds// /}" ]; then
     zc=$(for m in 1 4 16; do for l in $LAYERS; do echo -n "$m:$l "; done; done)
-    /tmp/ab/decode_bench_tree --reps 100 $zc > "$OUT/ab-sym-tree.txt" 2>&1
-    for n in $names; do "/tmp/ab/decode_bench_$n" --reps 100 --zeros $zc > "$OUT/ab-zeros-$n.txt" 2>&1; done
-    echo "us per call, symmetric (tree) and with zero points, per variant: $names"
-    for f in sym-tree $(for n in $names; do echo "zeros-$n"; done); do
-      grep -E "^ +[0-9]" "$OUT/ab-$f.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/ab/$f.us"
+    # "case us" and "case graph_us" files from a decode_bench log: $1.us and $1.graph.
+    ab_columns() {
+      grep -E "^ +[0-9]" "$OUT/ab-$1.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/ab/$1.us"
+      grep -E "^ +[0-9]" "$OUT/ab-$1.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/$1.graph"
+    }
+    /tmp/ab/decode_bench_tree --reps 100 --chain $zc > "$OUT/ab-sym-tree.txt" 2>&1
+    ab_columns sym-tree
+    for kind in $kinds; do
+      for n in $names; do
+        "/tmp/ab/decode_bench_$n" --reps 100 --chain --$kind $zc > "$OUT/ab-$kind-$n.txt" 2>&1
+        ab_columns "$kind-$n"
+      done
+      for col in us graph; do
+        echo "us per call ($col), symmetric (tree) and with $kind, per variant: $names"
+        side_by_side /tmp/ab/sym-tree.$col $(for n in $names; do echo "/tmp/ab/$kind-$n.$col"; done)
+      done
     done
-    side_by_side /tmp/ab/sym-tree.us $(for n in $names; do echo "/tmp/ab/zeros-$n.us"; done)
   fi
 fi
 

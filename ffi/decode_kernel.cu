@@ -963,6 +963,17 @@ DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group
   return best;
 }
 
+// The gather costs an L2 round trip for the indices, then one per 8 columns
+// of a row, on the kernel's critical path; the pass costs a second launch,
+// which the decode kernel's weight prefetch overlaps. Measured on an H200
+// (decode_bench --act-order, the 70B and 8B layers at m = 1, 4, 16;
+// benchmarks/NOTES.md): the gather wins at m <= 2 on layers of up to 32M
+// weights and at m = 4 on the 28672-deep layer, the pass elsewhere or ties.
+bool decode_gathers(const DecodeConfig &config, int64_t m, int64_t n, int64_t k) {
+  if (!config.valid()) return false;
+  return (m <= 2 && k * n <= (int64_t(32) << 20)) || (m > 2 && m <= 8 && k > 16384);
+}
+
 std::string decode_matmul(const void *A, const void *B, const void *s, const void *zeros,
                           const int *perm, const void *bias, void *C, int64_t m, int64_t n,
                           int64_t k, int64_t group_size, bool bf16, const DecodeConfig &config,

@@ -39,6 +39,11 @@ std::string check_decode_config(const DecodeConfig &config, int64_t m, int64_t n
 // multiprocessors; invalid if the decode kernel does not take it.
 DecodeConfig choose_decode_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int sms);
 
+// Act-order: whether the decode kernel, run with `config` (invalid: not run),
+// gathers x's permuted columns itself as it loads x, rather than read x from
+// a permutation pass the launcher runs before it.
+bool decode_gathers(const DecodeConfig &config, int64_t m, int64_t n, int64_t k);
+
 // Launches the decode kernel on `stream` (the caller has checked the problem
 // with check_problem and that the device is sm_90). With `pdl` the launch may
 // start while the previous kernel on the stream finishes (programmatic

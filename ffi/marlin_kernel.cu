@@ -268,17 +268,6 @@ std::string run_residual(void *C, const void *residual, int64_t m, int64_t n,
   return {};
 }
 
-// Act-order at m <= 16: whether the decode kernel gathers x itself (an L2
-// round trip for the indices, then one per 8 columns of a row, on the
-// kernel's critical path) rather than read it from the permutation pass (a
-// second launch, which the decode kernel's weight prefetch overlaps). Measured
-// on an H200 (decode_bench --act-order, the 70B and 8B layers at m = 1, 4,
-// 16; benchmarks/NOTES.md): the gather wins at m <= 2 on layers of up to 32M
-// weights and at m = 4 on the 28672-deep layer, the pass elsewhere or ties.
-bool decode_gathers(int64_t m, int64_t n, int64_t k) {
-  return (m <= 2 && k * n <= (int64_t(32) << 20)) || (m > 2 && m <= 8 && k > 16384);
-}
-
 template <typename scalar_t, bool has_zeros>
 std::string launch_group(int group_blocks, const ThreadConfig &c, int thread_m_blocks,
                          const LaunchArgs &p) {
@@ -307,9 +296,10 @@ std::string matmul_product(const void *A, const void *B, const void *s, const vo
                            const Fusion &inside) {
   const KernelPolicy &policy = kernel_policy();
   // Act-order: x in the weight's row order, gathered by the decode kernel
-  // as it loads x, or otherwise written by a pass into the scratch, past
-  // the partial sums (the next kernel starts during it: PDL).
-  if (perm && !(decode.valid() && decode_gathers(m, n, k))) {
+  // as it loads x where decode_gathers says so (decode_kernel.cu), or
+  // otherwise written by a pass into the scratch, past the partial sums (the
+  // next kernel starts during it: PDL).
+  if (perm && !decode_gathers(decode, m, n, k)) {
     const bool pdl = policy.pdl && info.major >= 9;
     void *permuted = reduce_scratch + permuted_x_offset(m, n, k);
     if (std::string why = permute(A, perm, permuted, m, k, info, device, pdl, stream);
