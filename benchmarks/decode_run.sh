@@ -63,8 +63,20 @@ side_by_side() {
   paste "$@" | awk '{printf "%-16s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
 }
 
+# A decode_bench log's rows as "m:k:n value" files: PREFIX.us (independent
+# calls) and PREFIX.graph (a CUDA graph of dependent calls, with --chain):
+# decode_columns LOG PREFIX.
+decode_columns() {
+  grep -E "^ +[0-9]" "$1" | awk '{print $1 ":" $2 ":" $3, $5}' > "$2.us"
+  grep -E "^ +[0-9]" "$1" | awk '{print $1 ":" $2 ":" $3, $NF}' > "$2.graph"
+}
+
 # 70B and 8B layers (k:n).
 LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
+# The zero-point and act-order cost table's cases (m:k:n), through the launcher.
+COST_CASES=$(for m in 1 16 64 256; do
+  for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done
+done)
 
 if has build; then
   step build
@@ -268,11 +280,10 @@ fi
 
 if has zp; then
   step "zero points and act-order: the launcher against symmetric weights (fp16 g128)"
-  zc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done; done)
-  $BIN --reps 100 $zc > "$OUT/time-sym.log" 2>&1
-  $BIN --reps 100 --zeros $zc > "$OUT/time-zp.log" 2>&1
-  $BIN --reps 100 --act-order $zc > "$OUT/time-ao.log" 2>&1
-  $BIN --reps 100 --zeros --act-order $zc > "$OUT/time-zp-ao.log" 2>&1
+  $BIN --reps 100 $COST_CASES > "$OUT/time-sym.log" 2>&1
+  $BIN --reps 100 --zeros $COST_CASES > "$OUT/time-zp.log" 2>&1
+  $BIN --reps 100 --act-order $COST_CASES > "$OUT/time-ao.log" 2>&1
+  $BIN --reps 100 --zeros --act-order $COST_CASES > "$OUT/time-zp-ao.log" 2>&1
   echo "    m      k      n  symmetric_us  zero_points_us  act_order_us  both_us"
   paste <(grep -E "^ +[0-9]" "$OUT/time-sym.log" | awk '{print $1, $2, $3, $5}') \
         <(grep -E "^ +[0-9]" "$OUT/time-zp.log" | awk '{print $5}') \
@@ -308,18 +319,16 @@ if has lab; then
       -c "/tmp/lab/$n/ffi/marlin_kernel.cu" -o "/tmp/lab/$n/launcher.o" &&
       nvcc -arch=sm_90 $others "/tmp/lab/$n/launcher.o" -o "/tmp/lab/decode_bench_$n" || exit 1
   done
-  lc=$(for m in 1 16 64 256; do for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done; done)
-  /tmp/lab/decode_bench_tree --reps 100 $lc > "$OUT/lab-sym.txt" 2>&1
-  for n in $lnames; do "/tmp/lab/decode_bench_$n" --reps 100 --act-order --chain $lc > "$OUT/lab-ao-$n.txt" 2>&1; done
-  grep -E "^ +[0-9]" "$OUT/lab-sym.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > /tmp/lab/sym.us
+  /tmp/lab/decode_bench_tree --reps 100 $COST_CASES > "$OUT/lab-sym.txt" 2>&1
+  decode_columns "$OUT/lab-sym.txt" /tmp/lab/sym
   for n in $lnames; do
-    grep -E "^ +[0-9]" "$OUT/lab-ao-$n.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/lab/ao-$n.us"
-    grep -E "^ +[0-9]" "$OUT/lab-ao-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/lab/aog-$n.us"
+    "/tmp/lab/decode_bench_$n" --reps 100 --act-order --chain $COST_CASES > "$OUT/lab-ao-$n.txt" 2>&1
+    decode_columns "$OUT/lab-ao-$n.txt" "/tmp/lab/ao-$n"
   done
   echo "us per call: symmetric (tree), then act-order per variant ($lnames); independent calls"
   side_by_side /tmp/lab/sym.us $(for n in $lnames; do echo "/tmp/lab/ao-$n.us"; done)
   echo "us per call in a CUDA graph of dependent calls, act-order, per variant: $lnames"
-  side_by_side $(for n in $lnames; do echo "/tmp/lab/aog-$n.us"; done)
+  side_by_side $(for n in $lnames; do echo "/tmp/lab/ao-$n.graph"; done)
 fi
 
 if has gsweep; then
@@ -376,25 +385,20 @@ if has ab; then
   paste /tmp/ab/layers-tree.txt $(for n in $names; do [ "$n" != tree ] && echo "/tmp/ab/layers-$n.txt"; done) |
     awk -F'\t' '{printf "%-28s", $1; for (i = 2; i <= NF; i += 2) printf " %8s", $i; print ""}'
   echo "us per call in a CUDA graph of dependent calls (decode_bench --chain), per variant: $names"
-  for n in $names; do grep -E "^ +[0-9]" "$OUT/ab-chain-$n.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/chain-$n.txt"; done
-  side_by_side $(for n in $names; do echo "/tmp/ab/chain-$n.txt"; done)
+  for n in $names; do decode_columns "$OUT/ab-chain-$n.txt" "/tmp/ab/chain-$n"; done
+  side_by_side $(for n in $names; do echo "/tmp/ab/chain-$n.graph"; done)
   # AB_ZEROS=1, AB_ACT_ORDER=1: the decode rows (decode_bench --reps 100 --chain, fp16 g128),
   # the tree with symmetric weights first, then every variant with zero points, with
   # act-order; as independent calls, and in a CUDA graph of dependent calls.
   kinds="${AB_ZEROS:+zeros} ${AB_ACT_ORDER:+act-order}"
   if [ -n "${kinds// /}" ]; then
     zc=$(for m in 1 4 16; do for l in $LAYERS; do echo -n "$m:$l "; done; done)
-    # "case us" and "case graph_us" files from a decode_bench log: $1.us and $1.graph.
-    ab_columns() {
-      grep -E "^ +[0-9]" "$OUT/ab-$1.txt" | awk '{print $1 ":" $2 ":" $3, $5}' > "/tmp/ab/$1.us"
-      grep -E "^ +[0-9]" "$OUT/ab-$1.txt" | awk '{print $1 ":" $2 ":" $3, $NF}' > "/tmp/ab/$1.graph"
-    }
     /tmp/ab/decode_bench_tree --reps 100 --chain $zc > "$OUT/ab-sym-tree.txt" 2>&1
-    ab_columns sym-tree
+    decode_columns "$OUT/ab-sym-tree.txt" /tmp/ab/sym-tree
     for kind in $kinds; do
       for n in $names; do
         "/tmp/ab/decode_bench_$n" --reps 100 --chain --$kind $zc > "$OUT/ab-$kind-$n.txt" 2>&1
-        ab_columns "$kind-$n"
+        decode_columns "$OUT/ab-$kind-$n.txt" "/tmp/ab/$kind-$n"
       done
       for col in us graph; do
         echo "us per call ($col), symmetric (tree) and with $kind, per variant: $names"

@@ -486,8 +486,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
     fill(wa, sa, za, 0);
     if constexpr (kStream) fill_weights(wb, kDepth);
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n");
+  grid_dependency_wait();
+  grid_launch_dependents();
 
   // x rows 0..m_pad-1 of the block's k range, zero past m. The long-stream
   // schedule leaves rows m..m_pad-1 as they are: they are column j >= m of

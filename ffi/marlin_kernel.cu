@@ -71,37 +71,22 @@ const KernelPolicy &kernel_policy() {
 constexpr int kPermuteThreads = 256;
 constexpr int kPermuteMinSplitCols = 2048;  // columns a block writes at least
 
-// Waits for the kernel before this one on the stream to finish, where this
-// one was launched with programmatic dependent launch (a no-op otherwise).
-__device__ inline void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Launches a row pass (the permutation, the prologue), with programmatic
-// dependent launch where `pdl`: its blocks then start while the kernel before
-// it ends (they wait for it before they read A), as the decode and prefill
-// kernels do, rather than after it, so that the pass does not break the
-// chain of overlapped launches on a stream. (H100, act-order as independent
-// calls: 20 of 24 70B and 8B rows faster, by up to 10% at m = 16-64, but
-// 28672 x 8192 at m = 1 10% slower; no change in a CUDA graph of dependent
-// calls, where no kernel of the previous call precedes the pass:
-// benchmarks/NOTES.md.)
-template <typename... Params, typename... Args>
-cudaError_t launch_row_pass(void (*kernel)(Params...), dim3 grid, size_t shared, bool pdl,
-                            cudaStream_t stream, Args... args) {
-  return launch_kernel(kernel, grid, dim3(kPermuteThreads), shared, stream, pdl, 0, args...);
-}
+// The row passes (the permutation, the prologue) are launched with
+// programmatic dependent launch where the launcher's `pdl` allows: their
+// blocks then start while the kernel before them ends (they wait for it
+// before they read A), as the decode and prefill kernels do, rather than
+// after it, so that a pass does not break the chain of overlapped launches on
+// a stream. (H100, act-order as independent calls: 20 of 24 70B and 8B rows
+// faster, by up to 10% at m = 16-64, but 28672 x 8192 at m = 1 10% slower;
+// no change in a CUDA graph of dependent calls, where no kernel of the
+// previous call precedes the pass: benchmarks/NOTES.md.)
 
 template <bool staged>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_columns(const uint16_t *A, const int *perm, uint16_t *out, int k, int split_cols) {
   // The kernel after this one (launched with programmatic dependent launch)
   // may start now: it reads nothing this one writes before it waits for it.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n");
-#endif
+  grid_launch_dependents();
   extern __shared__ int4 stage[];
   const int64_t row = blockIdx.x;
   const uint16_t *src = A + row * k;
@@ -157,10 +142,10 @@ std::string permute(const void *A, const int *perm, void *out, int64_t m, int64_
   const int64_t split_cols = row_split_cols(m, k, info);
   const int64_t splits = (k + split_cols - 1) / split_cols;
   auto *kernel = staged ? permute_columns<true> : permute_columns<false>;
-  if (cudaError_t error = launch_row_pass(
-          kernel, dim3(unsigned(m), unsigned(splits)), staged ? size_t(row_bytes) : 0, pdl, stream,
-          static_cast<const uint16_t *>(A), perm, static_cast<uint16_t *>(out), int(k),
-          int(split_cols)))
+  if (cudaError_t error = launch_kernel(
+          kernel, dim3(unsigned(m), unsigned(splits)), dim3(kPermuteThreads),
+          staged ? size_t(row_bytes) : 0, stream, pdl, 0, static_cast<const uint16_t *>(A), perm,
+          static_cast<uint16_t *>(out), int(k), int(split_cols)))
     return cuda_error("act-order permutation launch", error);
   return {};
 }
@@ -185,9 +170,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kPermuteThreads)
     prologue_rows(const scalar_t *A, const scalar_t *norm_weight, bool swiglu, const int *perm,
                   scalar_t *out, int k, float norm_size, float eps, int split_cols) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n");
-#endif
+  grid_launch_dependents();
   grid_dependency_wait();  // A is read from here on
   __shared__ float warp_sums[kPermuteThreads / 32];
   __shared__ float r_row;
@@ -248,11 +231,11 @@ std::string run_prologue(const void *A, const Fusion &f, const int *perm, void *
                          int64_t k, const DeviceInfo &info, bool pdl, cudaStream_t stream) {
   const int64_t split_cols = row_split_cols(m, k, info);
   const int64_t splits = (k + split_cols - 1) / split_cols;
-  if (cudaError_t error = launch_row_pass(
-          prologue_rows<scalar_t>, dim3(unsigned(m), unsigned(splits)), 0, pdl, stream,
-          static_cast<const scalar_t *>(A), static_cast<const scalar_t *>(f.norm_weight), f.swiglu,
-          perm, static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps,
-          int(split_cols)))
+  if (cudaError_t error = launch_kernel(
+          prologue_rows<scalar_t>, dim3(unsigned(m), unsigned(splits)), dim3(kPermuteThreads), 0,
+          stream, pdl, 0, static_cast<const scalar_t *>(A),
+          static_cast<const scalar_t *>(f.norm_weight), f.swiglu, perm,
+          static_cast<scalar_t *>(out), int(k), float(f.norm_size), f.norm_eps, int(split_cols)))
     return cuda_error("prologue launch", error);
   return {};
 }

@@ -10,6 +10,22 @@
 
 namespace marlin {
 
+// In a kernel launched with PDL: waits for the kernel before it on the stream
+// to finish and its writes to be visible (a no-op after a plain launch).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the kernel after this one on the stream, if launched with PDL, start
+// now (it must wait for this one before it reads anything this one writes).
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
+}
+
 // Launches kernel<<<grid, block, shared, stream>>>(args...), in clusters of
 // `cluster` blocks along x where cluster > 0, and returns the launch's error
 // (or cudaSuccess).

@@ -76,6 +76,7 @@
 
 #include "marlin_kernel.cuh"
 #include "mbarrier.cuh"
+#include "pdl_launch.cuh"
 #include "prefill_sm90.h"
 
 namespace marlin {
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_expect_tx(full_bar + 8 * i, tx_bytes(w));
         load_weights(i, w);
       }
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      grid_dependency_wait();
       for (int i = 0; i < prologue; ++i, advance(a)) load_a(i, a);
       for (int i = prologue; i < iters; ++i, advance(w)) {
         const int s = i % stages;
