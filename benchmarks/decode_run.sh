@@ -304,7 +304,7 @@ if has lab; then
   # Launcher variants (after build): LVARIANTS="x.diff ..." patches of
   # ffi/marlin_kernel.cu, each linked into its own decode_bench beside the
   # tree's; every variant timed with act-order (decode_bench --reps 100 and
-  # --chain, fp16 g128) at the zp stage's shapes, the tree with symmetric
+  # --chain, fp16 g128) at COST_CASES, the tree with symmetric
   # weights first.
   step "lab: launcher variants (${LVARIANTS:-none}) against the tree's, act-order"
   mkdir -p /tmp/lab
