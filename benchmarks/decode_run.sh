@@ -163,7 +163,7 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
   tail -1 "$OUT/tests.log"
   # The Marlin kernel's own tiles at every m, with the Hopper kernels off.
-  (cd /tmp && JAX_MARLIN_DECODE=0 JAX_MARLIN_PREFILL=0 timeout 60 python3 -m pytest -q -n 8 -m gpu -k "float64 and not decode" "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) >> "$OUT/tests.log"
+  (cd /tmp && JAX_MARLIN_DECODE=0 JAX_MARLIN_PREFILL=0 timeout 120 python3 -m pytest -q -n 8 -m gpu -k "float64 and not decode" "$OLDPWD/tests/test_primitive.py" -p no:cacheprovider 2>&1) >> "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | tail -5
   tail -1 "$OUT/tests.log" | sed 's/^/marlin only: /'
 fi

@@ -466,10 +466,22 @@ __global__ void __launch_bounds__(32 * kMaxWarps,
       }
     }
   };
+  // With zero points, a window's scales and zero points are requested before
+  // its weights: the zero-point constants are built at the window's start, so
+  // the window would otherwise wait for its last request (Nsight Compute, 4096
+  // x 28672 at m = 16: the top stall, 21.5% of the samples, was the first use
+  // of the zero-point word), where a symmetric window waits only for its first
+  // step's weights. Measured on an H100: 2-4% off the small layers at m <= 4,
+  // nothing on the large ones (benchmarks/NOTES.md).
   auto fill = [&](int4 (&w)[kDepth], int4 (&sg)[window_groups], int (&zg)[window_groups],
                   int base) {
-    fill_weights(w, base);
-    fill_scales(sg, zg, base);
+    if constexpr (has_zeros) {
+      fill_scales(sg, zg, base);
+      fill_weights(w, base);
+    } else {
+      fill_weights(w, base);
+      fill_scales(sg, zg, base);
+    }
   };
   int4 wa[kDepth], wb[kDepth];
   int4 sa[window_groups], sb[window_groups];
