@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 pab step sanitize zp lab ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab step sanitize zp lab ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -213,6 +213,15 @@ if has psrc; then
     python3 benchmarks/ncu_source_top.py "$r.csv" 30 2>&1 | head -45
   done
   cat /tmp/psrc-*.csv | gzip > "$OUT/psrc-csv.gz"
+fi
+
+if has probe; then
+  # stream_probe.cu: the decode kernel's weight walk with no arithmetic, and an
+  # 8B decode step's weight stream as a kernel per projection against one
+  # persistent kernel with grid barriers (no build stage needed).
+  step "stream_probe (weight streams without arithmetic)"
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/stream_probe.cu -o /tmp/stream_probe &&
+    timeout 120 /tmp/stream_probe 2>&1 | tee "$OUT/probe.txt"
 fi
 
 if has dsrc; then

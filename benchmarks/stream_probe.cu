@@ -19,6 +19,23 @@
 //               share as one contiguous range (what the walk would cost
 //               if the layout put a warp's steps next to each other).
 // It also times an empty kernel (launch cost on the stream and in a graph).
+//
+// Then a Llama-3-8B decode step's weight stream (32 blocks of qkv 4096 x 6144,
+// o 4096 x 4096, gate_up 4096 x 28672 and down 14336 x 4096: 3.5 GB, from
+// HBM) read in the ways a step could be built, to bound what one persistent
+// kernel could save over a kernel per projection:
+//   one read      the whole stream as one grid-stride read (the floor);
+//   kernels       a grid-stride read kernel per projection, 128 in a CUDA
+//                 graph (the step's kernel boundaries, no arithmetic);
+//   decode grids  the same with the decode kernel's grids (pattern, m = 1);
+//   persistent    one kernel for the step, a grid-wide barrier between
+//                 projections (an atomic counter; the grid is resident), the
+//                 next projection's first loads issued after the barrier
+//                 (late) or before it (early: weights do not depend on the
+//                 activations the barrier waits for), with the grid of the
+//                 kernels above or one 256-thread block per SM (the decode
+//                 kernel's 8 warps per SM);
+//   barriers      the persistent kernel's 127 barriers alone.
 // Times: bench::time_calls (bench_timing.cuh), the median of 7 rounds.
 #include <cuda_runtime.h>
 
@@ -110,6 +127,141 @@ struct Layer {
   int k, n, cw, kw, s;
 };
 
+// Waits until every block of the grid has arrived at this barrier: the
+// counter only grows, and `target` is its value once all have (the launch's
+// base plus the grid size times the barrier's number). The grid must be
+// resident, which the launch ensures by its size.
+__device__ inline void grid_barrier(unsigned long long *counter, unsigned long long target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1ull);
+    unsigned long long seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();
+}
+
+// The step's projections read in turn by one grid, a barrier between them:
+// projection L is int4s begin[L] .. begin[L + 1] of `stream`, read as
+// `contiguous` reads (8 loads of 16 bytes in flight per thread, one group
+// folded while the next is in flight). kEarly: the next projection's first
+// loads are issued before the barrier. kRead false: the barriers alone.
+template <bool kEarly, bool kRead>
+__global__ void persistent_step(const int4 *stream, const long *begin, int layers, unsigned long long *counter,
+                                unsigned long long base, int *out) {
+  const long stride = long(gridDim.x) * blockDim.x;
+  const long t0 = blockIdx.x * long(blockDim.x) + threadIdx.x;
+  int a = 0;
+  int4 w[8];
+  auto fill = [&](int layer, long i) {
+    const long count = begin[layer + 1] - begin[layer];
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = load<0>(stream + begin[layer] + i + j * stride, i + j * stride < count);
+  };
+  if (kRead) fill(0, t0);
+  for (int layer = 0; layer < layers; layer++) {
+    const long count = begin[layer + 1] - begin[layer];
+    if (kRead) {
+      for (long i = t0 + 8 * stride; i < count; i += 8 * stride) {
+        int4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = w[j];
+        fill(layer, i);
+        a ^= fold(v);
+      }
+      int4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++) v[j] = w[j];
+      if (kEarly && layer + 1 < layers) fill(layer + 1, t0);
+      a ^= fold(v);
+    }
+    if (layer + 1 < layers) {
+      grid_barrier(counter, base + (unsigned long long)(layer + 1) * gridDim.x);
+      if (kRead && !kEarly) fill(layer + 1, t0);
+    }
+  }
+  if (a == 0x1234567) *out = a;
+}
+
+// An 8B decode step's weight stream, read as one grid-stride read, as a
+// kernel per projection in a CUDA graph, and by one persistent kernel
+// (persistent_step).
+void step_stream(int *out) {
+  int sms;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute");
+  // qkv, o, gate_up, down with the decode kernel's configurations at m = 1.
+  const Layer block[] = {{4096, 6144, 4, 1, 16}, {4096, 4096, 1, 8, 2}, {4096, 28672, 4, 1, 4}, {14336, 4096, 2, 4, 7}};
+  constexpr int kBlocks = 32;
+  std::vector<long> begin{0};
+  for (int b = 0; b < kBlocks; b++)
+    for (const Layer &l : block) begin.push_back(begin.back() + long(l.k) * l.n / 32);
+  const int layers = int(begin.size()) - 1;
+  const size_t bytes = size_t(begin.back()) * 16;
+  int4 *stream;
+  long *begin_d;
+  unsigned long long *counter;
+  check(cudaMalloc(&stream, bytes), "malloc stream");
+  check(cudaMemset(stream, 0x11, bytes), "memset");
+  check(cudaMalloc(&begin_d, begin.size() * sizeof(long)), "malloc");
+  check(cudaMemcpy(begin_d, begin.data(), begin.size() * sizeof(long), cudaMemcpyHostToDevice), "copy");
+  check(cudaMalloc(&counter, 8), "malloc");
+  check(cudaMemset(counter, 0, 8), "memset");
+  int resident;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, persistent_step<true, true>, 256, 0), "occupancy");
+  const int per_sm = std::min(resident, 4);
+  const int grid = sms * per_sm;
+  std::printf("\nLlama-3-8B decode step's weights: %d projections, %.1f MB (%.1f MB a block), from HBM; grid %d x "
+              "256 (%d a SM)\n",
+              layers, bytes / 1e6, bytes / 1e6 / kBlocks, grid, per_sm);
+  std::printf("%-34s %10s %12s %8s\n", "read", "us a step", "us a block", "TB/s");
+  auto row = [&](const char *name, float us) {
+    std::printf("%-34s %10.1f %12.2f %8.3f\n", name, us, us / kBlocks, bytes / us / 1e6);
+  };
+  row("one read", time_calls([&](int) { contiguous<<<grid, 256>>>(stream, long(bytes / 16), out); }, 5, 0));
+  cudaStream_t st;
+  check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  auto graph_of = [&](auto launch) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    check(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), "capture");
+    for (int layer = 0; layer < layers; layer++) launch(layer);
+    check(cudaStreamEndCapture(st, &g), "end capture");
+    check(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+    return ge;
+  };
+  cudaGraphExec_t kernels = graph_of([&](int layer) {
+    contiguous<<<grid, 256, 0, st>>>(stream + begin[layer], begin[layer + 1] - begin[layer], out);
+  });
+  row("kernels (graph)", time_calls([&](int) { check(cudaGraphLaunch(kernels, st), "graph"); }, 5, st));
+  cudaGraphExec_t decode_grids = graph_of([&](int layer) {
+    const Layer &l = block[layer % 4];
+    pattern<0, false><<<dim3(l.s, l.n / 64 / l.cw), 32 * l.cw * l.kw, 0, st>>>(stream + begin[layer], l.n, l.k, l.cw,
+                                                                               l.kw, l.s, out);
+  });
+  row("kernels, decode grids (graph)", time_calls([&](int) { check(cudaGraphLaunch(decode_grids, st), "graph"); }, 5, st));
+  // The counter only grows: each launch starts from the value the previous
+  // left (grid times barriers).
+  unsigned long long base = 0;
+  auto persistent = [&](auto kernel, int g) {
+    return time_calls(
+        [&](int) {
+          kernel<<<g, 256>>>(stream, begin_d, layers, counter, base, out);
+          base += (unsigned long long)(layers - 1) * g;
+        },
+        5, 0);
+  };
+  row("persistent, late loads", persistent(persistent_step<false, true>, grid));
+  row("persistent, early loads", persistent(persistent_step<true, true>, grid));
+  row("persistent, early, 1 block a SM", persistent(persistent_step<true, true>, sms));
+  const float barriers = persistent(persistent_step<false, false>, grid);
+  std::printf("%-34s %10.1f us, %.2f us a barrier\n", "barriers alone", barriers, barriers / (layers - 1));
+  check(cudaGetLastError(), "launch");
+  check(cudaFree(stream), "free");
+}
+
 }  // namespace
 
 int main() {
@@ -163,5 +315,6 @@ int main() {
                 t_lin);
     for (auto &b : bufs) check(cudaFree(b), "free");
   }
+  step_stream(out);
   return 0;
 }
