@@ -12,7 +12,8 @@
 // CUDA events, median of 7. --chain also times a chain of dependent calls
 // (each call's output feeds a small kernel that writes the next call's
 // input, as in a decode step), launched on the stream and replayed as a CUDA
-// graph. --sweep times every decode configuration (as independent calls, or
+// graph; both columns are per call, less the small kernel's time in a graph.
+// --sweep times every decode configuration (as independent calls, or
 // with --graph per call in that graph of dependent calls). --check compares the
 // output (NaN-poisoned first) with a float64 host product on six 64-column
 // chunks (first, last, four spread between) with and without a bias, checks
@@ -34,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_fill.cuh"
@@ -220,10 +222,11 @@ void check_case(const Case &c, const Buffers &b, const marlin::DecodeConfig &con
   }
 }
 
-// Microseconds per call of `step` (which enqueues one call and its next_input)
-// in a CUDA graph of 64 steps, replayed; `other` the same for next_input alone.
+// Microseconds per step of `step` (which enqueues one call and its
+// next_input) and of `other` (next_input alone), each in a CUDA graph of 64,
+// replayed: {step, other}.
 template <typename Step, typename Other>
-float time_in_graph(Step &&step, Other &&other, cudaStream_t stream) {
+std::pair<float, float> time_in_graph(Step &&step, Other &&other, cudaStream_t stream) {
   auto capture64 = [&](auto &&call, cudaGraph_t *graph, cudaGraphExec_t *exec) {
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
     for (int i = 0; i < 64; ++i) call(i);
@@ -238,7 +241,7 @@ float time_in_graph(Step &&step, Other &&other, cudaStream_t stream) {
   const float alone = time_calls([&](int) { check(cudaGraphLaunch(exec_other, stream), "graph"); }, 10, stream);
   cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
   cudaGraphExecDestroy(exec_other), cudaGraphDestroy(graph_other);
-  return (all - alone) / 64;
+  return {all / 64, alone / 64};
 }
 
 std::vector<marlin::DecodeConfig> all_configs(const Case &c) {
@@ -319,11 +322,15 @@ int main(int argc, char **argv) {
       auto alone = [&](int) {
         next_input<<<32, 256, 0, stream>>>(static_cast<uint16_t *>(b.C), static_cast<uint16_t *>(x2), yc, xc);
       };
-      const float other = time_calls(alone, reps, stream);
-      chain_us = time_calls(step, reps, stream) - other;
       // The same chain captured once into a graph of 64 steps (what XLA's
       // command buffers do), replayed.
-      graph_us = time_in_graph(step, alone, stream);
+      const auto [graph_step, graph_other] = time_in_graph(step, alone, stream);
+      graph_us = graph_step - graph_other;
+      // On the stream, minus next_input's time in the graph: its time alone
+      // on the stream is its launch rate (a few us), which the chain hides
+      // behind the matmul, so subtracting that gave chain times below the
+      // independent calls'.
+      chain_us = time_calls(step, reps, stream) - graph_other;
       cudaFree(x2);
     }
     std::printf("%6d %6d %6d %8s %10.2f %8.3f %10.2f %10.2f\n", c.m, c.k, c.n,
@@ -347,7 +354,8 @@ int main(int argc, char **argv) {
             check(call(c, b, i % copies, config, false, stream, x2));
             alone(i);
           };
-          t = time_in_graph(step, alone, stream);
+          const auto [graph_step, graph_other] = time_in_graph(step, alone, stream);
+          t = graph_step - graph_other;
           cudaFree(x2);
         } else {
           t = time_calls([&](int i) { check(call(c, b, i % copies, config, false, stream)); }, reps / 2,
