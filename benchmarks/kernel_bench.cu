@@ -1,6 +1,8 @@
 // Kernel-only timing of the Marlin launcher, without JAX: for A/B comparisons
-// of kernel builds (compile flags, source variants) on one GPU machine, where
-// a pip build per variant would cost minutes. bench_matmul.py times what users
+// of Marlin kernel builds (compile flags, source variants) on one GPU machine,
+// where a pip build per variant would cost minutes. It turns the launcher's
+// Hopper kernels off (JAX_MARLIN_DECODE=0, JAX_MARLIN_PREFILL=0), so every m
+// runs the Marlin kernel; decode_bench and prefill_bench time those. bench_matmul.py times what users
 // call, through JAX; this tool times the launcher alone (benchmarks/gpu_run.sh
 // builds and runs it).
 //
@@ -99,6 +101,10 @@ double rel_error(const void *a, const void *b, size_t count, size_t *bad, int n 
 }  // namespace
 
 int main(int argc, char **argv) {
+  // The Marlin kernel at every m: the launcher's Hopper kernels off (read
+  // once, at the first call; gpu_run.sh ab links stubs for them).
+  setenv("JAX_MARLIN_DECODE", "0", 1);
+  setenv("JAX_MARLIN_PREFILL", "0", 1);
   int reps = 200, trials = 7;
   bool check_result = false;
   std::vector<std::string> cases;
