@@ -2,9 +2,9 @@
 // of Marlin kernel builds (compile flags, source variants) on one GPU machine,
 // where a pip build per variant would cost minutes. It turns the launcher's
 // Hopper kernels off (JAX_MARLIN_DECODE=0, JAX_MARLIN_PREFILL=0), so every m
-// runs the Marlin kernel; decode_bench and prefill_bench time those. bench_matmul.py times what users
-// call, through JAX; this tool times the launcher alone (benchmarks/gpu_run.sh
-// builds and runs it).
+// runs the Marlin kernel; decode_bench and prefill_bench time those.
+// bench_matmul.py times what users call, through JAX; this tool times the
+// launcher alone (benchmarks/gpu_run.sh builds and runs it).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/kernel_bench.cu ffi/marlin_kernel.cu \
 //        <the instance objects> -o kernel_bench

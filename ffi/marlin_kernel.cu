@@ -76,10 +76,13 @@ constexpr int kPermuteMinSplitCols = 2048;  // columns a block writes at least
 // blocks then start while the kernel before them ends (they wait for it
 // before they read A), as the decode and prefill kernels do, rather than
 // after it, so that a pass does not break the chain of overlapped launches on
-// a stream. (H100, act-order as independent calls: 20 of 24 70B and 8B rows
-// faster, by up to 10% at m = 16-64, but 28672 x 8192 at m = 1 10% slower;
-// no change in a CUDA graph of dependent calls, where no kernel of the
-// previous call precedes the pass: benchmarks/NOTES.md.)
+// a stream. (H100, act-order as independent calls: up to 10% faster at m =
+// 16-64 on the 70B and 8B layers; no change in a CUDA graph of dependent
+// calls, where no kernel of the previous call precedes the pass:
+// benchmarks/NOTES.md.) The passes run on any device, PDL only on sm_90.
+bool pass_pdl(const KernelPolicy &policy, const DeviceInfo &info) {
+  return policy.pdl && info.major >= 9;
+}
 
 template <bool staged>
 __global__ void __launch_bounds__(kPermuteThreads)
@@ -286,7 +289,7 @@ std::string matmul_product(const void *A, const void *B, const void *s, const vo
   // otherwise written by a pass into the scratch, past the partial sums (the
   // next kernel starts during it: PDL).
   if (perm && !decode_gathers(decode, m, n, k)) {
-    const bool pdl = policy.pdl && info.major >= 9;
+    const bool pdl = pass_pdl(policy, info);
     void *permuted = reduce_scratch + permuted_x_offset(m, n, k);
     if (std::string why = permute(A, perm, permuted, m, k, info, device, pdl, stream);
         !why.empty())
@@ -388,7 +391,7 @@ std::string matmul(const void *A, const void *B, const void *s, const void *zero
   }
   if (fusion.prologue() && !inside.prologue()) {
     void *x_prime = reduce_scratch + permuted_x_offset(m, n, k);
-    const bool pdl = policy.pdl && info.major >= 9;
+    const bool pdl = pass_pdl(policy, info);
     std::string why =
         bf16 ? run_prologue<nv_bfloat16>(A, fusion, perm, x_prime, m, k, info, pdl, stream)
              : run_prologue<half>(A, fusion, perm, x_prime, m, k, info, pdl, stream);

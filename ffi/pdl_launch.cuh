@@ -3,7 +3,8 @@
 // act-order and prologue passes (marlin_kernel.cu). With `pdl` a kernel's
 // blocks may start while the kernel before it on the stream finishes; each
 // kernel waits for that one (griddepcontrol.wait) before it reads anything
-// it may write. Without `pdl`, or before sm_90, a plain launch.
+// it may write. Without `pdl` a plain launch; callers pass `pdl` only on sm_90
+// (before it the device functions below compile to nothing).
 #pragma once
 
 #include <cuda_runtime.h>
