@@ -21,10 +21,24 @@
 # AB_ZEROS=1 (AB_ACT_ORDER=1), stage ab also times every variant with zero
 # points (act-order).
 #
-# Logs go to $OUT (or ./gpu-out).
+# Logs go to $OUT (or ./gpu-out). With LOGS_ARCHIVE=1 they end up in one file,
+# $OUT/logs.tar.gz, at exit (also when the script is stopped by a signal, as
+# `timeout` does), for runners that return only a few files of a folder.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+archive_logs() {
+  local part
+  part=$(mktemp /tmp/logs.XXXXXX.tar.gz) &&
+    tar czf "$part" -C "$OUT" . &&
+    find "$OUT" -mindepth 1 -maxdepth 1 -exec rm -rf {} + &&
+    mv "$part" "$OUT/logs.tar.gz"
+}
+if [ "${LOGS_ARCHIVE:-0}" = 1 ]; then
+  trap archive_logs EXIT
+  # Bash runs the EXIT trap on `exit`, not when a signal ends it.
+  trap 'exit 143' TERM INT
+fi
 export PYTHONUNBUFFERED=1
 stages=${*:-build check time block sweep step tests sanitize}
 has() { [[ " $stages " == *" $1 "* ]]; }
