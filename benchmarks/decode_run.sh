@@ -21,20 +21,22 @@
 # AB_ZEROS=1 (AB_ACT_ORDER=1), stage ab also times every variant with zero
 # points (act-order).
 #
-# Logs go to $OUT (or ./gpu-out). With LOGS_ARCHIVE=1 they end up in one file,
-# $OUT/logs.tar.gz, at exit (also when the script is stopped by a signal, as
-# `timeout` does), for runners that return only a few files of a folder.
+# Logs go to $OUT (or ./gpu-out). With LOGS_ARCHIVE=1 the files this run
+# writes there end up in one file, $OUT/logs.tar.gz, at exit (also when the
+# script is stopped by a signal, as `timeout` does), for runners that return
+# only a few files of a folder; files that were there before stay as they are.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 archive_logs() {
-  local part
-  part=$(mktemp /tmp/logs.XXXXXX.tar.gz) &&
-    tar czf "$part" -C "$OUT" . &&
-    find "$OUT" -mindepth 1 -maxdepth 1 -exec rm -rf {} + &&
-    mv "$part" "$OUT/logs.tar.gz"
+  local part list
+  part=$(mktemp /tmp/logs.XXXXXX.tar.gz) && list=$(mktemp) || return
+  (cd "$OUT" && find . -maxdepth 1 -type f -newer "$STARTED" ! -name logs.tar.gz -print0 > "$list" &&
+    tar czf "$part" --null -T "$list" && xargs -0 rm -f < "$list") && mv "$part" "$OUT/logs.tar.gz"
+  rm -f "$list" "$STARTED"
 }
 if [ "${LOGS_ARCHIVE:-0}" = 1 ]; then
+  STARTED=$(mktemp)  # the run's logs are the files newer than this
   trap archive_logs EXIT
   # Bash runs the EXIT trap on `exit`, not when a signal ends it.
   trap 'exit 143' TERM INT
