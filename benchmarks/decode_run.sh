@@ -21,6 +21,12 @@
 # AB_ZEROS=1 (AB_ACT_ORDER=1), stage ab also times every variant with zero
 # points (act-order).
 #
+# With NVCC_CACHE=prebuilt/nvcc (carried to the machine), what
+# benchmarks/prebuild.sh compiled beforehand on a machine without a GPU is
+# taken instead of compiled, where sources and compiler match: the benchmarks'
+# objects, and the package's wheel for this jax. COMPILE_ONLY=1 is that script's
+# mode: the named stages compile into NVCC_CACHE and run nothing.
+#
 # Logs go to $OUT (or ./gpu-out). With LOGS_ARCHIVE=1 the files this run
 # writes there end up in one file, $OUT/logs.tar.gz, at exit (also when the
 # script is stopped by a signal, as `timeout` does), for runners that return
@@ -43,16 +49,48 @@ if [ "${LOGS_ARCHIVE:-0}" = 1 ]; then
 fi
 export PYTHONUNBUFFERED=1
 stages=${*:-build check time block sweep step tests sanitize}
-has() { [[ " $stages " == *" $1 "* ]]; }
+# With COMPILE_ONLY=1 (benchmarks/prebuild.sh, on a machine without a GPU), a
+# stage only compiles what it would run, into NVCC_CACHE, and runs nothing.
+has() {
+  [[ " $stages " == *" $1 "* ]] || return 1
+  [ "${COMPILE_ONLY:-0}" = 1 ] || return 0
+  case $1 in
+    build) return 0 ;;  # the stage itself skips what needs the GPU
+    probe) build_probe ;;
+    ab) ab_build ;;
+    pab) pab_build ;;
+    dsrc) dsrc_build ;;
+  esac
+  return 1
+}
+if [ "${COMPILE_ONLY:-0}" = 1 ] && [ -z "${NVCC_CACHE:-}" ]; then
+  echo "COMPILE_ONLY=1 compiles into NVCC_CACHE: set it"; exit 2
+fi
 step() { echo; echo "=== $* ($(date +%T))"; }
 BIN=/tmp/decode_bench
+# NVCC_CACHE=DIR: the benchmarks' compiles go through benchmarks/nvcc_cache/nvcc,
+# which takes the objects that benchmarks/prebuild.sh compiled on a machine
+# without a GPU from DIR when command, compiler and sources match, and compiles
+# otherwise. The package's CMake build keeps the real nvcc (CUDACXX); its wheel
+# comes from DIR/../wheel when prebuilt for these sources and this jax.
+if [ -n "${NVCC_CACHE:-}" ]; then
+  export CUDACXX=${CUDACXX:-$(command -v nvcc)}
+  mkdir -p "$NVCC_CACHE"
+  NVCC_CACHE=$(realpath "$NVCC_CACHE") && export NVCC_CACHE
+  export NVCC_CACHE_LOG=${NVCC_CACHE_LOG:-$OUT/nvcc-cache.log}
+  PATH=$PWD/benchmarks/nvcc_cache:$PATH
+fi
 # prefill_bench from the kernel sources in FFI_DIR into OUTPUT (sm_90a: wgmma),
-# with any further nvcc arguments.
+# with any further nvcc arguments. Compiled (OUTPUT-bench.o, OUTPUT-kernel.o:
+# what NVCC_CACHE can hold) and linked with cuBLAS in separate steps.
 build_prefill_bench() {
   local ffi_dir=$1 output=$2
   shift 2
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I"$ffi_dir" "$@" \
-    benchmarks/prefill_bench.cu "$ffi_dir/prefill_sm90.cu" -lcublas -o "$output"
+  local cc=(nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I"$ffi_dir" "$@")
+  "${cc[@]}" -c benchmarks/prefill_bench.cu -o "$output-bench.o" &&
+    "${cc[@]}" -c "$ffi_dir/prefill_sm90.cu" -o "$output-kernel.o" || return 1
+  [ "${COMPILE_ONLY:-0}" = 1 ] ||
+    nvcc -gencode=arch=compute_90a,code=sm_90a "$output-bench.o" "$output-kernel.o" -lcublas -o "$output"
 }
 
 # decode_bench's objects in /tmp/db, compiled in the background (the caller
@@ -94,29 +132,135 @@ COST_CASES=$(for m in 1 16 64 256; do
   for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done
 done)
 
+# The package's sources and the jax and nvcc it builds with, as one hash: a
+# wheel prebuilt for the same stamp installs in place of a build.
+package_stamp() {
+  { python3 -c "import jax; print(jax.__version__)"; nvcc --version | tail -1
+    find CMakeLists.txt pyproject.toml README.md LICENSE NOTICE ffi jax_marlin -type f \
+      \( -name '*.py' -o -name '*.c[cu]' -o -name '*.cuh' -o -name '*.h' -o ! -path '*/*' \) -print0 |
+      LC_ALL=C sort -z | xargs -0 sha256sum; } |
+    sha256sum | cut -c1-32
+}
+
+# The package with CUDA (sm_90) against this machine's jax, log in LOG: from
+# the prebuilt wheel when its stamp matches, else built here; with COMPILE_ONLY=1
+# the wheel is built into the cache instead of installed.
+build_package() {
+  local log=$1 wheels="" stamp=""
+  if [ -n "${NVCC_CACHE:-}" ]; then wheels=$(dirname "$NVCC_CACHE")/wheel stamp=$(package_stamp); fi
+  if [ "${COMPILE_ONLY:-0}" = 1 ]; then
+    [ -n "$wheels" ] || return 0
+    rm -rf "$wheels" && mkdir -p "$wheels" &&
+      JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+        python3 -m pip wheel --no-build-isolation --no-deps -q -v -w "$wheels" . > "$log" 2>&1 &&
+      echo "$stamp" > "$wheels/STAMP"
+  elif [ -n "$wheels" ] && [ "$(cat "$wheels/STAMP" 2>/dev/null)" = "$stamp" ]; then
+    echo "package: the prebuilt wheel (stamp $stamp)" > "$log"
+    python3 -m pip install --no-deps --no-index --force-reinstall -q "$wheels"/jax_marlin-*.whl >> "$log" 2>&1
+  else
+    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+      python3 -m pip install --no-build-isolation --no-deps -q -v . > "$log" 2>&1
+  fi
+}
+
+# Waits for the background jobs other than PID (the package's build, which may
+# run on meanwhile).
+wait_except() { while [ "$(jobs -rp | grep -v "^$1$" | wc -l)" -gt 0 ]; do wait -n; done; }
+
+# decode_bench, block_bench and prefill_bench of the tree (objects in /tmp/db),
+# beside the background job PID (or "none"), which they do not wait for.
+build_benchmarks() {
+  compile_decode_objects "$OUT/ptxas.txt" -Xptxas -v
+  build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
+  nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
+  wait_except "$1"
+  nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || return 1
+  nvcc -arch=sm_90 $(ls /tmp/db/*.o | grep -v bench.o) /tmp/block_bench.o -o /tmp/block_bench
+}
+
+# How many compiles NVCC_CACHE served so far, and how many ran here.
+cache_summary() {
+  [ -n "${NVCC_CACHE:-}" ] && [ "${COMPILE_ONLY:-0}" != 1 ] &&
+    echo "nvcc cache: $(grep -c '^hit' "$NVCC_CACHE_LOG") compiles taken, $(grep -c '^miss' "$NVCC_CACHE_LOG") run here ($(nvcc --version | tail -1))"
+  return 0
+}
+
+build_probe() { nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/stream_probe.cu -o /tmp/stream_probe; }
+
+# The variants of stages ab and abstep: /tmp/ab/<name>.cu, names in $names.
+ab_sources() {
+  names="tree"
+  mkdir -p /tmp/ab && cp ffi/decode_kernel.cu /tmp/ab/tree.cu
+  for v in ${VARIANTS:-}; do
+    name=$(basename "${v%.*}")
+    case "$v" in
+      *.cu) cp "$v" "/tmp/ab/$name.cu" ;;
+      *) cp ffi/decode_kernel.cu "/tmp/ab/$name.cu" && patch -s "/tmp/ab/$name.cu" "$v" || { echo "$v does not apply"; continue; } ;;
+    esac
+    names="$names $name"
+  done
+}
+
+# The variants' objects (/tmp/ab/<name>.o, ptxas reports in $OUT/ab-ptxas-<name>.txt)
+# and their decode_bench and block_bench, linked with the build stage's objects.
+ab_build() {
+  ab_sources
+  # (-Iffi: a variant outside ffi/ includes the kernel's headers from there.)
+  for n in $names; do nvcc $F -Xptxas -v -c "/tmp/ab/$n.cu" -o "/tmp/ab/$n.o" > "$OUT/ab-ptxas-$n.txt" 2>&1 & done
+  wait
+  [ "${COMPILE_ONLY:-0}" = 1 ] && return 0
+  local others
+  others=$(ls /tmp/db/*.o | grep -v -e /decode.o -e /bench.o)
+  for n in $names; do
+    echo "$n: $(grep -c 'bytes spill stores' "$OUT/ab-ptxas-$n.txt") instances, $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/ab-ptxas-$n.txt") spilling"
+    nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/db/bench.o -o "/tmp/ab/decode_bench_$n" &&
+      nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/block_bench.o -o "/tmp/ab/block_bench_$n" || return 1
+  done
+}
+
+# Stage pab's prefill_bench per variant, /tmp/pab/<name>/prefill_bench; names in $pnames.
+pab_build() {
+  pnames="tree"
+  for v in ${PVARIANTS:-}; do pnames="$pnames $(basename "${v%.*}")"; done
+  set -- ${PVARIANTS:-}
+  for n in $pnames; do
+    d=/tmp/pab/$n && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/"
+    if [ "$n" != tree ]; then patch -s -d "$d" -p1 < "$1" || { echo "$1 does not apply"; return 1; }; shift; fi
+    build_prefill_bench "$d/ffi" "$d/prefill_bench" -Xptxas -v > "$OUT/pab-build-$n.log" 2>&1 &
+  done
+  wait
+}
+
+# decode_bench with the decode kernel compiled with -lineinfo, for stage dsrc.
+dsrc_build() {
+  compile_decode_objects "$OUT/dsrc-build.log" -lineinfo
+  wait
+  [ "${COMPILE_ONLY:-0}" = 1 ] || nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo
+}
+
 if has build; then
   step build
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+  [ "${COMPILE_ONLY:-0}" = 1 ] ||
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
   # BUILD_PACKAGE=0: the benchmarks' objects only (no package; the stages
   # that run JAX then need one from an earlier build on the machine).
   PIP=none
   if [ "${BUILD_PACKAGE:-1}" != 0 ]; then
-    JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
-      python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 &
+    build_package "$OUT/build.log" &
     PIP=$!
   fi
-  compile_decode_objects "$OUT/ptxas.txt" -Xptxas -v
-  build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
-  nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
-  wait -n; while [ "$(jobs -rp | grep -v "^$PIP$" | wc -l)" -gt 0 ]; do wait -n; done
-  nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || exit 1
-  nvcc -arch=sm_90 $(ls /tmp/db/*.o | grep -v bench.o) /tmp/block_bench.o -o /tmp/block_bench || exit 1
+  build_benchmarks $PIP || exit 1
   wait
   grep -E "registers|spill" "$OUT/ptxas.txt" | sort | uniq -c
-  # (wait -n above may already have reaped pip: its log and the import tell.)
-  if [ "$PIP" != none ]; then
+  cache_summary
+  # (wait_except may already have reaped pip: its log and the import, or the
+  # wheel's stamp, tell.)
+  if [ "$PIP" != none ] && [ "${COMPILE_ONLY:-0}" = 1 ]; then
+    ls "$(dirname "${NVCC_CACHE:-/nonexistent/x}")"/wheel/STAMP > /dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+  elif [ "$PIP" != none ]; then
     (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')") ||
       { tail -30 "$OUT/build.log"; exit 1; }
+    grep -m1 '^package: the prebuilt wheel' "$OUT/build.log"
   fi
 fi
 
@@ -236,8 +380,7 @@ if has probe; then
   # 8B decode step's weight stream as a kernel per projection against one
   # persistent kernel with grid barriers (no build stage needed).
   step "stream_probe (weight streams without arithmetic)"
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/stream_probe.cu -o /tmp/stream_probe &&
-    timeout 120 /tmp/stream_probe 2>&1 | tee "$OUT/probe.txt"
+  build_probe && timeout 120 /tmp/stream_probe 2>&1 | tee "$OUT/probe.txt"
 fi
 
 if has dsrc; then
@@ -246,9 +389,7 @@ if has dsrc; then
   # zeros, act-order), fp16 g128, the table's configuration; built here, the
   # decode kernel with -lineinfo.
   step "Nsight Compute source view of the decode kernel (${DSRC_CASES:=16:4096:28672 16:4096:28672:zeros})"
-  compile_decode_objects "$OUT/dsrc-build.log" -lineinfo
-  wait
-  nvcc -arch=sm_90 /tmp/db/*.o -o /tmp/decode_bench_lineinfo || { cat "$OUT/dsrc-build.log"; exit 1; }
+  dsrc_build || { cat "$OUT/dsrc-build.log"; exit 1; }
   for c in $DSRC_CASES; do
     IFS=: read -r m k n flag <<< "$c"
     r=/tmp/dsrc-$m-$k-$n-${flag:-sym}
@@ -279,15 +420,7 @@ if has pab; then
   # best time per layer side by side. PAB_SWEEP_ARGS: more prefill_bench
   # arguments for the sweep (--zeros: weights with zero points).
   step "pab: prefill-kernel variants (${PVARIANTS:-none}) against the tree's"
-  pnames="tree"
-  for v in ${PVARIANTS:-}; do pnames="$pnames $(basename "${v%.*}")"; done
-  set -- ${PVARIANTS:-}
-  for n in $pnames; do
-    d=/tmp/pab/$n && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/"
-    if [ "$n" != tree ]; then patch -s -d "$d" -p1 < "$1" || { echo "$1 does not apply"; exit 1; }; shift; fi
-    build_prefill_bench "$d/ffi" "$d/prefill_bench" -Xptxas -v > "$OUT/pab-build-$n.log" 2>&1 &
-  done
-  wait
+  pab_build || exit 1
   for n in $pnames; do
     echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
@@ -365,32 +498,10 @@ if has gsweep; then
   grep -E "^ +[0-9]|sweep" "$OUT/gsweep.log"
 fi
 
-# The variants of stages ab and abstep: /tmp/ab/<name>.cu, names in $names.
-ab_sources() {
-  names="tree"
-  mkdir -p /tmp/ab && cp ffi/decode_kernel.cu /tmp/ab/tree.cu
-  for v in ${VARIANTS:-}; do
-    name=$(basename "${v%.*}")
-    case "$v" in
-      *.cu) cp "$v" "/tmp/ab/$name.cu" ;;
-      *) cp ffi/decode_kernel.cu "/tmp/ab/$name.cu" && patch -s "/tmp/ab/$name.cu" "$v" || { echo "$v does not apply"; continue; } ;;
-    esac
-    names="$names $name"
-  done
-}
-
 if has ab; then
   step "ab: decode-kernel variants (${VARIANTS:-none}) against the tree's"
-  ab_sources
-  # (-Iffi: a variant outside ffi/ includes the kernel's headers from there.)
-  for n in $names; do nvcc $F -Xptxas -v -c "/tmp/ab/$n.cu" -o "/tmp/ab/$n.o" > "$OUT/ab-ptxas-$n.txt" 2>&1 & done
-  wait
-  others=$(ls /tmp/db/*.o | grep -v -e /decode.o -e /bench.o)
-  for n in $names; do
-    echo "$n: $(grep -c 'bytes spill stores' "$OUT/ab-ptxas-$n.txt") instances, $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/ab-ptxas-$n.txt") spilling"
-    nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/db/bench.o -o "/tmp/ab/decode_bench_$n" &&
-      nvcc -arch=sm_90 $others "/tmp/ab/$n.o" /tmp/block_bench.o -o "/tmp/ab/block_bench_$n" || exit 1
-  done
+  ab_build || exit 1
+  cache_summary
   for n in $names; do
     { timeout 60 "/tmp/ab/decode_bench_$n" --check --sweep --group 128 1:4096:4096 16:4096:6144 5:14336:4096
       timeout 40 "/tmp/ab/decode_bench_$n" --check --sweep --group -1 --bf16 3:4096:4096 9:1024:1024; } > "$OUT/ab-check-$n.log" 2>&1
