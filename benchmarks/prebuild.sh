@@ -39,9 +39,22 @@ fi
 [ -x "$venv/bin/python" ] && PATH=$venv/bin:$PATH
 
 # prefill_bench includes cuBLAS's header, which a toolkit without cuBLAS lacks:
-# CUBLAS_INCLUDE names a folder holding it (e.g. the include/ of the
-# nvidia-cublas wheel of the toolkit's version). Without it, prefill_bench is
-# left for the GPU machine to compile (it links there with the machine's cuBLAS).
+# CUBLAS_INCLUDE names a folder holding it; by default the headers of the
+# nvidia-cublas wheel of nvcc's release (13.0), fetched once (a 420 MB
+# download). Without them, prefill_bench is left for the GPU machine to compile
+# (it links there with the machine's cuBLAS in any case).
+toolkit=$(dirname "$(dirname "$(command -v nvcc)")")
+if [ -z "${CUBLAS_INCLUDE:-}" ] && ! ls "$toolkit"/include/cublas_v2.h "$toolkit"/targets/*/include/cublas_v2.h > /dev/null 2>&1; then
+  CUBLAS_INCLUDE=/tmp/jax_marlin-prebuild-cublas-include
+  if [ ! -f "$CUBLAS_INCLUDE/cublas_v2.h" ]; then
+    echo "fetching cuBLAS's headers (nvidia-cublas 13.0) into $CUBLAS_INCLUDE"
+    tmp=$(mktemp -d)
+    python3 -m pip download --no-deps -q -d "$tmp" "nvidia-cublas==13.0.*" > /dev/null 2>&1 &&
+      mkdir -p "$CUBLAS_INCLUDE" && unzip -q -o -j "$tmp"/nvidia_cublas-*.whl 'nvidia/cu13/include/*' -d "$CUBLAS_INCLUDE" ||
+      echo "warning: no cuBLAS headers; prefill_bench will compile on the GPU machine"
+    rm -rf "$tmp"
+  fi
+fi
 [ -n "${CUBLAS_INCLUDE:-}" ] && export CPATH=$CUBLAS_INCLUDE${CPATH:+:$CPATH}
 
 mkdir -p prebuilt/nvcc
