@@ -181,7 +181,8 @@ build_benchmarks() {
 # How many compiles NVCC_CACHE served so far, and how many ran here.
 cache_summary() {
   [ -n "${NVCC_CACHE:-}" ] && [ "${COMPILE_ONLY:-0}" != 1 ] &&
-    echo "nvcc cache: $(grep -c '^hit' "$NVCC_CACHE_LOG") compiles taken, $(grep -c '^miss' "$NVCC_CACHE_LOG") run here ($(nvcc --version | tail -1))"
+    echo "nvcc cache: $(grep -c '^hit' "$NVCC_CACHE_LOG") compiles taken, $(grep -c '^miss' "$NVCC_CACHE_LOG") run here," \
+      "$(grep -c '^pass' "$NVCC_CACHE_LOG") passed through (links) ($(nvcc --version | tail -1))"
   return 0
 }
 
