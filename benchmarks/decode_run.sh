@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab step sanitize zp lab ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab pprobe step sanitize zp lab ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -59,6 +59,7 @@ has() {
     probe) build_probe ;;
     ab) ab_build ;;
     pab) pab_build ;;
+    pprobe) pprobe_build ;;
     dsrc) dsrc_build ;;
   esac
   return 1
@@ -228,6 +229,17 @@ pab_build() {
     d=/tmp/pab/$n && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/"
     if [ "$n" != tree ]; then patch -s -d "$d" -p1 < "$1" || { echo "$1 does not apply"; return 1; }; shift; fi
     build_prefill_bench "$d/ffi" "$d/prefill_bench" -Xptxas -v > "$OUT/pab-build-$n.log" 2>&1 &
+  done
+  wait
+}
+
+# Stage pprobe's prefill_bench per part left out, /tmp/pprobe/<k>/prefill_bench
+# (experiments/prefill-probe.diff at PREFILL_PROBE = k = 1..4).
+pprobe_build() {
+  for k in 1 2 3 4; do
+    d=/tmp/pprobe/$k && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/" &&
+      patch -s -d "$d" -p1 < benchmarks/experiments/prefill-probe.diff || { echo "prefill-probe.diff does not apply"; return 1; }
+    build_prefill_bench "$d/ffi" "$d/prefill_bench" -DPREFILL_PROBE=$k > "$OUT/pprobe-build-$k.log" 2>&1 &
   done
   wait
 }
@@ -435,6 +447,29 @@ if has pab; then
   for n in $pnames; do grep ' best ' "$OUT/pab-sweep-$n.log" | awk -v n=$n '{print $4, "m", $6, n, $8, $9}' > "/tmp/pab/$n.best"; done
   echo "best configuration and us per layer and m (fp16 g128), in the order: $pnames"
   paste -d'|' $(for n in $pnames; do echo "/tmp/pab/$n.best"; done)
+fi
+
+if has pprobe; then
+  # Where a prefill launch's time goes, by leaving parts out (experiments/prefill-probe.diff):
+  # the kernel, then launch and setup only, the copies only (no dequantization or wgmma),
+  # the arithmetic only (no copies), and no split reduction; fp16 g128, PPROBE_CASES
+  # "KxN:m" (the launcher's configuration) or "KxN:m:tile:splits" (forced). After build.
+  step "pprobe: a prefill launch with parts left out, fp16 g128"
+  pprobe_build || exit 1
+  [ -x /tmp/prefill_bench ] || { echo "pprobe needs the build stage's /tmp/prefill_bench"; exit 1; }
+  echo "case: configuration and us of the kernel | launch only | copies only | arithmetic only | no split reduction"
+  for c in ${PPROBE_CASES:-8192x8192:64:64x256:1 8192x8192:64:64x256:2 8192x8192:64:64x256:4 4096x4096:64 4096x6144:64 14336x4096:64}; do
+    IFS=: read -r shape m tile splits <<< "$c"
+    args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
+    [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
+    row="$c"
+    for b in /tmp/prefill_bench /tmp/pprobe/{1,2,3,4}/prefill_bench; do
+      # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
+      us=$(timeout 60 "$b" "${args[@]}" 2>&1 | tee -a "$OUT/pprobe.log" | awk '/^(fp16|bf16) /{print $5, $6; exit}')
+      row="$row | ${us:-failed}"
+    done
+    echo "$row"
+  done | tee "$OUT/pprobe.txt"
 fi
 
 if has zp; then
