@@ -234,9 +234,9 @@ pab_build() {
 }
 
 # Stage pprobe's prefill_bench per part left out, /tmp/pprobe/<k>/prefill_bench
-# (experiments/prefill-probe.diff at PREFILL_PROBE = k = 1..4).
+# (experiments/prefill-probe.diff at PREFILL_PROBE = k = 1..6).
 pprobe_build() {
-  for k in 1 2 3 4; do
+  for k in 1 2 3 4 5 6; do
     d=/tmp/pprobe/$k && rm -rf "$d" && mkdir -p "$d" && cp -r ffi "$d/" &&
       patch -s -d "$d" -p1 < benchmarks/experiments/prefill-probe.diff || { echo "prefill-probe.diff does not apply"; return 1; }
     build_prefill_bench "$d/ffi" "$d/prefill_bench" -DPREFILL_PROBE=$k > "$OUT/pprobe-build-$k.log" 2>&1 &
@@ -452,18 +452,19 @@ fi
 if has pprobe; then
   # Where a prefill launch's time goes, by leaving parts out (experiments/prefill-probe.diff):
   # the kernel, then launch and setup only, the copies only (no dequantization or wgmma),
-  # the arithmetic only (no copies), and no split reduction; fp16 g128, PPROBE_CASES
-  # "KxN:m" (the launcher's configuration) or "KxN:m:tile:splits" (forced). After build.
+  # the arithmetic only (no copies), no split reduction, the wgmmas only and the
+  # dequantization only (both without copies); fp16 g128, PPROBE_CASES "KxN:m" (the
+  # launcher's configuration) or "KxN:m:tile:splits" (forced). After build.
   step "pprobe: a prefill launch with parts left out, fp16 g128"
   pprobe_build || exit 1
   [ -x /tmp/prefill_bench ] || { echo "pprobe needs the build stage's /tmp/prefill_bench"; exit 1; }
-  echo "case: configuration and us of the kernel | launch only | copies only | arithmetic only | no split reduction"
+  echo "case | configuration and us: kernel | launch only | copies only | arithmetic only | no split reduction | wgmma only | dequantization only"
   for c in ${PPROBE_CASES:-8192x8192:64:64x256:1 8192x8192:64:64x256:2 8192x8192:64:64x256:4 4096x4096:64 4096x6144:64 14336x4096:64}; do
     IFS=: read -r shape m tile splits <<< "$c"
     args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
     [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
     row="$c"
-    for b in /tmp/prefill_bench /tmp/pprobe/{1,2,3,4}/prefill_bench; do
+    for b in /tmp/prefill_bench /tmp/pprobe/{1,2,3,4,5,6}/prefill_bench; do
       # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
       us=$(timeout 60 "$b" "${args[@]}" 2>&1 | tee -a "$OUT/pprobe.log" | awk '/^(fp16|bf16) /{print $5, $6; exit}')
       row="$row | ${us:-failed}"
