@@ -466,7 +466,7 @@ if has pprobe; then
     row="$c"
     for b in /tmp/prefill_bench /tmp/pprobe/{1,2,3,4,5,6}/prefill_bench; do
       # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
-      us=$(timeout 60 "$b" "${args[@]}" 2>&1 | tee -a "$OUT/pprobe.log" | awk '/^(fp16|bf16) /{print $5, $6; exit}')
+      us=$(timeout 60 "$b" "${args[@]}" 2>&1 | tee -a "$OUT/pprobe.log" | awk '/^(fp16|bf16) / && !seen {print $5, $6; seen = 1}')
       row="$row | ${us:-failed}"
     done
     echo "$row"
