@@ -14,8 +14,10 @@
 #   NVCC_CACHE=prebuilt/nvcc benchmarks/decode_run.sh build probe ab   (carry prebuilt/)
 #
 # Entries this prebuild did not use are removed at the end, so prebuilt/ holds
-# only this tree's objects (build probe ab dsrc with three variants: 28 objects,
-# 11 MB xz-compressed, beside the 13.5 MB wheel).
+# only this tree's objects for these stages: name in one prebuild every stage
+# the coming GPU calls will run (build probe ab dsrc pprobe with three variants:
+# 40 objects, 12 MB xz-compressed, beside the 13.5 MB wheel; 859 s from nothing
+# on 2 cores). With BUILD_PACKAGE=0 the wheel is left as it is.
 # The package's build goes through the real nvcc, the benchmarks' through the
 # cache, NVCC_CACHE_JOBS (default: the cores) compiles at a time.
 set -uo pipefail
