@@ -435,7 +435,8 @@ if has pab; then
   step "pab: prefill-kernel variants (${PVARIANTS:-none}) against the tree's"
   pab_build || exit 1
   for n in $pnames; do
-    echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances"
+    echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances," \
+      "$(grep -c C7515 "$OUT/pab-build-$n.log") with serialized wgmmas (C7515)"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
     echo "$n self-test: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-$n.log")"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick --zeros > "$OUT/pab-selftest-zeros-$n.log" 2>&1
@@ -458,6 +459,10 @@ if has pprobe; then
   step "pprobe: a prefill launch with parts left out, fp16 g128"
   pprobe_build || exit 1
   [ -x /tmp/prefill_bench ] || { echo "pprobe needs the build stage's /tmp/prefill_bench"; exit 1; }
+  # A probe whose main loop ptxas serialized (C7515) would time a slower loop than the tree's.
+  for k in 1 2 3 4 5 6; do
+    [ "$(grep -c C7515 "$OUT/pprobe-build-$k.log")" = 0 ] || echo "warning: probe $k has serialized wgmmas (C7515)"
+  done
   echo "case | configuration and us: kernel | launch only | copies only | arithmetic only | no split reduction | wgmma only | dequantization only"
   for c in ${PPROBE_CASES:-8192x8192:64:64x256:1 8192x8192:64:64x256:2 8192x8192:64:64x256:4 4096x4096:64 4096x6144:64 14336x4096:64}; do
     IFS=: read -r shape m tile splits <<< "$c"
