@@ -246,6 +246,15 @@ void step_stream(int *out) {
   // left (grid times barriers).
   unsigned long long base = 0;
   auto persistent = [&](auto kernel, int g) {
+    // A grid barrier waits for every block: a grid larger than what stays
+    // resident of this instance (its registers may differ from the one the
+    // grid was sized for) would never return.
+    int fit;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 256, 0), "occupancy");
+    if (g > fit * sms) {
+      std::printf("(grid %d exceeds the %d blocks that stay resident: not run)\n", g, fit * sms);
+      return -1.f;
+    }
     return time_calls(
         [&](int) {
           kernel<<<g, 256>>>(stream, begin_d, layers, counter, base, out);
