@@ -69,11 +69,8 @@ if [ "${COMPILE_ONLY:-0}" = 1 ] && [ -z "${NVCC_CACHE:-}" ]; then
 fi
 step() { echo; echo "=== $* ($(date +%T))"; }
 BIN=/tmp/decode_bench
-# NVCC_CACHE=DIR: the benchmarks' compiles go through benchmarks/nvcc_cache/nvcc,
-# which takes the objects that benchmarks/prebuild.sh compiled on a machine
-# without a GPU from DIR when command, compiler and sources match, and compiles
-# otherwise. The package's CMake build keeps the real nvcc (CUDACXX); its wheel
-# comes from DIR/../wheel when prebuilt for these sources and this jax.
+# NVCC_CACHE (see the top): the benchmarks' nvcc is benchmarks/nvcc_cache/nvcc;
+# the package's CMake build keeps the real one (CUDACXX).
 if [ -n "${NVCC_CACHE:-}" ]; then
   export CUDACXX=${CUDACXX:-$(command -v nvcc)}
   mkdir -p "$NVCC_CACHE"
@@ -149,8 +146,7 @@ package_stamp() {
 build_package() {
   local log=$1 wheels="" stamp=""
   if [ -n "${NVCC_CACHE:-}" ]; then wheels=$(dirname "$NVCC_CACHE")/wheel stamp=$(package_stamp); fi
-  if [ "${COMPILE_ONLY:-0}" = 1 ]; then
-    [ -n "$wheels" ] || return 0
+  if [ "${COMPILE_ONLY:-0}" = 1 ]; then  # (NVCC_CACHE is set: checked at the top)
     rm -rf "$wheels" && mkdir -p "$wheels" &&
       JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
         python3 -m pip wheel --no-build-isolation --no-deps -q -v -w "$wheels" . > "$log" 2>&1 &&
@@ -175,6 +171,7 @@ build_benchmarks() {
   build_prefill_bench ffi /tmp/prefill_bench > "$OUT/prefill-build.log" 2>&1 &
   nvcc $F -c benchmarks/block_bench.cu -o /tmp/block_bench.o &
   wait_except "$1"
+  [ "${COMPILE_ONLY:-0}" = 1 ] && return 0
   nvcc -arch=sm_90 /tmp/db/*.o -o $BIN || return 1
   nvcc -arch=sm_90 $(ls /tmp/db/*.o | grep -v bench.o) /tmp/block_bench.o -o /tmp/block_bench
 }
@@ -269,7 +266,7 @@ if has build; then
   # (wait_except may already have reaped pip: its log and the import, or the
   # wheel's stamp, tell.)
   if [ "$PIP" != none ] && [ "${COMPILE_ONLY:-0}" = 1 ]; then
-    ls "$(dirname "${NVCC_CACHE:-/nonexistent/x}")"/wheel/STAMP > /dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+    ls "$(dirname "$NVCC_CACHE")"/wheel/STAMP > /dev/null || { tail -30 "$OUT/build.log"; exit 1; }
   elif [ "$PIP" != none ]; then
     (cd /tmp && python3 -c "import jax_marlin as jm; assert jm.HAS_CUDA; print('jax_marlin CUDA module OK')") ||
       { tail -30 "$OUT/build.log"; exit 1; }
