@@ -146,7 +146,10 @@ package_stamp() {
 build_package() {
   local log=$1 wheels="" stamp=""
   if [ -n "${NVCC_CACHE:-}" ]; then wheels=$(dirname "$NVCC_CACHE")/wheel stamp=$(package_stamp); fi
-  if [ "${COMPILE_ONLY:-0}" = 1 ]; then  # (NVCC_CACHE is set: checked at the top)
+  if [ "${COMPILE_ONLY:-0}" = 1 ] && [ "$(cat "$wheels/STAMP" 2>/dev/null)" = "$stamp" ] &&
+    ls "$wheels"/jax_marlin-*.whl > /dev/null 2>&1; then
+    echo "package: the prebuilt wheel is current (stamp $stamp)" > "$log"
+  elif [ "${COMPILE_ONLY:-0}" = 1 ]; then  # (NVCC_CACHE is set: checked at the top)
     rm -rf "$wheels" && mkdir -p "$wheels" &&
       JAX_MARLIN_CUDA=ON SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
         python3 -m pip wheel --no-build-isolation --no-deps -q -v -w "$wheels" . > "$log" 2>&1 &&
@@ -424,27 +427,61 @@ fi
 
 if has pab; then
   # Prefill-kernel variants: PVARIANTS="x.diff ..." patches of ffi/prefill_sm90.cuh,
-  # each built into its own prefill_bench beside the tree's, self-tested (every
-  # tile, split and stream-K form against float64, symmetric and with zero
-  # points) and swept at PAB_M (every tile and split per layer, fp16 g128); the
-  # best time per layer side by side. PAB_SWEEP_ARGS: more prefill_bench
-  # arguments for the sweep (--zeros: weights with zero points).
+  # each built into its own prefill_bench beside the tree's; first timed side
+  # by side at fixed configurations (PAB_CASES, "KxN:m" at the launcher's
+  # choice or "KxN:m:tile:splits"; default the 8 layers at m = 64 and 128, and
+  # a stream-K launch), then self-tested (every tile, split and stream-K form
+  # against float64, symmetric and with zero points), with PAB_SANITIZE=1 run
+  # under compute-sanitizer memcheck on a split and a stream-K launch, and
+  # swept at PAB_M (every tile and split per layer, fp16 g128; PAB_M=none: no
+  # sweep), the best time per layer side by side. PAB_SWEEP_ARGS: more
+  # prefill_bench arguments for the sweep (--zeros: weights with zero points).
   step "pab: prefill-kernel variants (${PVARIANTS:-none}) against the tree's"
   pab_build || exit 1
   for n in $pnames; do
     echo "$n: $(grep -cE ' [1-9][0-9]* bytes spill stores' "$OUT/pab-build-$n.log") spilling instances," \
       "$(grep -c C7515 "$OUT/pab-build-$n.log") with serialized wgmmas (C7515)"
+  done
+  echo "us a launch (fp16 g128, median of 5 trials; x: a failed check), in the order: $pnames"
+  layers="8192x10240 8192x8192 8192x57344 28672x8192 4096x6144 4096x4096 4096x28672 14336x4096"
+  for c in ${PAB_CASES:-$(for m in 64 128; do for l in $layers; do echo "$l:$m"; done; done) 8192x10240:512}; do
+    IFS=: read -r shape m tile splits <<< "$c"
+    args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
+    [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
+    row="$c"
+    for n in $pnames; do
+      # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
+      us=$(timeout 60 "/tmp/pab/$n/prefill_bench" "${args[@]}" 2>&1 | tee -a "$OUT/pab-cases-$n.log" |
+        awk '/^(fp16|bf16) / && !seen {print $5, $6 (/CHECK FAILED/ ? "x" : ""); seen = 1}')
+      row="$row | ${us:-failed}"
+    done
+    echo "$row"
+  done | tee "$OUT/pab-cases.txt"
+  for n in $pnames; do
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick > "$OUT/pab-selftest-$n.log" 2>&1
     echo "$n self-test: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-$n.log")"
     timeout 150 "/tmp/pab/$n/prefill_bench" --self-test --quick --zeros > "$OUT/pab-selftest-zeros-$n.log" 2>&1
     echo "$n self-test with zero points: exit $?, $(grep -E '^RESULT' "$OUT/pab-selftest-zeros-$n.log")"
-    timeout ${PAB_TIMEOUT:-200} "/tmp/pab/$n/prefill_bench" --no-self-test --sweep --m "${PAB_M:-64,128}" \
-      --dtype fp16 --group 128 ${PAB_SWEEP_ARGS:-} > "$OUT/pab-sweep-$n.log" 2>&1
+    if [ "${PAB_SANITIZE:-0}" = 1 ]; then
+      for c in 4096x4096:64:64x128:4 8192x10240:512:128x256:1:sk; do
+        IFS=: read -r shape m tile splits sk <<< "$c"
+        a=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --tile "$tile" --splits "$splits" --trials 1)
+        [ -n "$sk" ] && a+=(--stream-k)
+        timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "/tmp/pab/$n/prefill_bench" "${a[@]}" \
+          >> "$OUT/pab-memcheck-$n.log" 2>&1
+        echo "$n memcheck $c: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/pab-memcheck-$n.log" | tail -1)"
+      done
+    fi
+    [ "${PAB_M:-}" = none ] ||
+      timeout ${PAB_TIMEOUT:-200} "/tmp/pab/$n/prefill_bench" --no-self-test --sweep --m "${PAB_M:-64,128}" \
+        --dtype fp16 --group 128 ${PAB_SWEEP_ARGS:-} > "$OUT/pab-sweep-$n.log" 2>&1
   done
-  # "  sweep fp16  128   8192x8192   m 64 best 64x256/4      28.73 us (chosen ...)"
-  for n in $pnames; do grep ' best ' "$OUT/pab-sweep-$n.log" | awk -v n=$n '{print $4, "m", $6, n, $8, $9}' > "/tmp/pab/$n.best"; done
-  echo "best configuration and us per layer and m (fp16 g128), in the order: $pnames"
-  paste -d'|' $(for n in $pnames; do echo "/tmp/pab/$n.best"; done)
+  if [ "${PAB_M:-}" != none ]; then
+    # "  sweep fp16  128   8192x8192   m 64 best 64x256/4      28.73 us (chosen ...)"
+    for n in $pnames; do grep ' best ' "$OUT/pab-sweep-$n.log" | awk -v n=$n '{print $4, "m", $6, n, $8, $9}' > "/tmp/pab/$n.best"; done
+    echo "best configuration and us per layer and m (fp16 g128), in the order: $pnames"
+    paste -d'|' $(for n in $pnames; do echo "/tmp/pab/$n.best"; done)
+  fi
 fi
 
 if has pprobe; then

@@ -17,7 +17,8 @@
 # only this tree's objects for these stages: name in one prebuild every stage
 # the coming GPU calls will run (build probe ab dsrc pprobe with three variants:
 # 40 objects, 12 MB xz-compressed, beside the 13.5 MB wheel; 859 s from nothing
-# on 2 cores). With BUILD_PACKAGE=0 the wheel is left as it is.
+# on 2 cores). A wheel whose stamp matches the sources is kept; with
+# BUILD_PACKAGE=0 the wheel is left as it is in any case.
 # The package's build goes through the real nvcc, the benchmarks' through the
 # cache, NVCC_CACHE_JOBS (default: the cores) compiles at a time.
 set -uo pipefail
