@@ -244,6 +244,20 @@ pprobe_build() {
   wait
 }
 
+# One prefill_bench case of stages pab and pprobe, fp16 g128, median of 5
+# trials: CASE is "KxN:m" (the launcher's configuration) or
+# "KxN:m:tile:splits" (forced). Prints "configuration us", with "x" after it
+# where the check against float64 failed; appends the output to LOG.
+prefill_case_us() {
+  local bin=$1 c=$2 log=$3 shape m tile splits
+  IFS=: read -r shape m tile splits <<< "$c"
+  local args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
+  [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
+  # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
+  timeout 60 "$bin" "${args[@]}" 2>&1 | tee -a "$log" |
+    awk '/^(fp16|bf16) / && !seen {print $5, $6 (/CHECK FAILED/ ? "x" : ""); seen = 1}'
+}
+
 # decode_bench with the decode kernel compiled with -lineinfo, for stage dsrc.
 dsrc_build() {
   compile_decode_objects "$OUT/dsrc-build.log" -lineinfo
@@ -445,14 +459,9 @@ if has pab; then
   echo "us a launch (fp16 g128, median of 5 trials; x: a failed check), in the order: $pnames"
   layers="8192x10240 8192x8192 8192x57344 28672x8192 4096x6144 4096x4096 4096x28672 14336x4096"
   for c in ${PAB_CASES:-$(for m in 64 128; do for l in $layers; do echo "$l:$m"; done; done) 8192x10240:512}; do
-    IFS=: read -r shape m tile splits <<< "$c"
-    args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
-    [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
     row="$c"
     for n in $pnames; do
-      # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
-      us=$(timeout 60 "/tmp/pab/$n/prefill_bench" "${args[@]}" 2>&1 | tee -a "$OUT/pab-cases-$n.log" |
-        awk '/^(fp16|bf16) / && !seen {print $5, $6 (/CHECK FAILED/ ? "x" : ""); seen = 1}')
+      us=$(prefill_case_us "/tmp/pab/$n/prefill_bench" "$c" "$OUT/pab-cases-$n.log")
       row="$row | ${us:-failed}"
     done
     echo "$row"
@@ -497,15 +506,12 @@ if has pprobe; then
   for k in 1 2 3 4 5 6; do
     [ "$(grep -c C7515 "$OUT/pprobe-build-$k.log")" = 0 ] || echo "warning: probe $k has serialized wgmmas (C7515)"
   done
+  # (x marks the probes' failed checks: they compute wrong results by design.)
   echo "case | configuration and us: kernel | launch only | copies only | arithmetic only | no split reduction | wgmma only | dequantization only"
   for c in ${PPROBE_CASES:-8192x8192:64:64x256:1 8192x8192:64:64x256:2 8192x8192:64:64x256:4 4096x4096:64 4096x6144:64 14336x4096:64}; do
-    IFS=: read -r shape m tile splits <<< "$c"
-    args=(--no-self-test --shapes "$shape" --m "$m" --dtype fp16 --group 128 --trials 5)
-    [ -n "$tile" ] && args+=(--tile "$tile" --splits "${splits:-1}")
     row="$c"
     for b in /tmp/prefill_bench /tmp/pprobe/{1,2,3,4,5,6}/prefill_bench; do
-      # "fp16  128   8192x8192     64 64x256/4     28.73 ..." (prefill_bench's table row)
-      us=$(timeout 60 "$b" "${args[@]}" 2>&1 | tee -a "$OUT/pprobe.log" | awk '/^(fp16|bf16) / && !seen {print $5, $6; seen = 1}')
+      us=$(prefill_case_us "$b" "$c" "$OUT/pprobe.log")
       row="$row | ${us:-failed}"
     done
     echo "$row"
