@@ -53,7 +53,10 @@ kernel cannot report. A device-to-device copy in the same process gives
     python benchmarks/bench_matmul.py --quick --impls formats
     python benchmarks/bench_matmul.py --layers 70b.qkv 70b.down 8b.qkv 8b.down --ms 1 16 64 256 \
         --impls zp --out zp.json                        # zero points and act-order vs symmetric
+    python benchmarks/bench_matmul.py --impls full --layers 70b.qkv 70b.o --out full.json \
+        --append                          # what the targets are stated for, a slice of layers
     python benchmarks/report.py sweep.json --readme README.md   # tables, plot, README table
+    python benchmarks/targets.py full.json                      # the targets' scorecard
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ LAYERS = {
     "8b.down": (14336, 4096),
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+FULL_MS = MS + [2048, 4096]  # --impls full without --ms
 QUICK_LAYERS = ["70b.qkv", "70b.gate_up", "70b.down"]
 QUICK_MS = [1, 16, 64]
 
@@ -133,6 +137,7 @@ VARIANTS = {
     "jax_marlin_g64": ("jax_marlin", "float16", 64, "sym"),
     "jax_marlin_g32": ("jax_marlin", "float16", 32, "sym"),
     "jax_marlin_bf16_g128": ("jax_marlin", "bfloat16", 128, "sym"),
+    "jax_marlin_bf16_g-1": ("jax_marlin", "bfloat16", -1, "sym"),
     "jax_marlin_zp_g128": ("jax_marlin", "float16", 128, "zp"),
     "jax_marlin_act_order_g128": ("jax_marlin", "float16", 128, "act_order"),
     "jax_marlin_zp_act_order_g128": ("jax_marlin", "float16", 128, "zp_act_order"),
@@ -148,6 +153,10 @@ ALIASES = {
                 "jax_marlin_bf16_g128", "xla_fp16", "xla_bf16"],
     "zp": ["jax_marlin_g128", "jax_marlin_zp_g128", "jax_marlin_act_order_g128",
            "jax_marlin_zp_act_order_g128"],
+    # What the targets are stated for (benchmarks/targets.py): both dtypes, g128
+    # and g-1, each dtype's XLA dot, and XLA's int4 path; m up to 4096 (FULL_MS).
+    "full": ["jax_marlin_g128", "jax_marlin_g-1", "jax_marlin_bf16_g128", "jax_marlin_bf16_g-1",
+             "xla_fp16", "xla_bf16", "xla_int4"],
 }
 
 
@@ -242,7 +251,8 @@ def rel_err(x, w) -> float:
 
 
 def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
-                inner: int = 1, outputs: str = "list") -> None:
+                inner: int = 1, outputs: str = "list", save=lambda: None) -> None:
+    """Appends a record per (m, variant) to ``records``; ``save()`` after each m."""
     k, n = LAYERS[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
@@ -265,6 +275,7 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
                 rec["rel_err"] = rel_err(x, ws[0])
             records.append(rec)
             log(rec)
+        save()
     del sets
 
 
@@ -272,7 +283,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 layers, m in {1, 16, 64}")
     parser.add_argument("--layers", nargs="*", help="subset of layers")
-    parser.add_argument("--ms", nargs="*", type=int, help="subset of m")
+    parser.add_argument("--ms", nargs="*", type=int,
+                        help=f"subset of m (default {MS}; with --impls full up to {FULL_MS[-1]})")
     parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=["sweep"],
                         help="variants to run, or aliases: " + "; ".join(
                             f"{a} = {' '.join(v)}" for a, v in ALIASES.items()))
@@ -282,7 +294,7 @@ def main(argv=None) -> int:
     parser.add_argument("--outputs", choices=["list", "sum"], default="list",
                         help="list: every product a result of the call; sum: the products added "
                              "inside the call, so that they are temporaries (rows record it)")
-    parser.add_argument("--out", help="results JSON, rewritten after every layer")
+    parser.add_argument("--out", help="results JSON, rewritten after every m of every layer")
     parser.add_argument("--append", action="store_true",
                         help="keep the records of --out that this run does not measure again "
                              "(split a sweep over several runs with --layers)")
@@ -292,8 +304,8 @@ def main(argv=None) -> int:
         print("bench_matmul needs a CUDA GPU and jax_marlin built with CUDA", file=sys.stderr)
         return 2
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
-    ms = args.ms or (QUICK_MS if args.quick else MS)
     variants = expand(args.impls)
+    ms = args.ms or (QUICK_MS if args.quick else FULL_MS if "full" in args.impls else MS)
 
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__,
@@ -307,7 +319,13 @@ def main(argv=None) -> int:
     kept = []
     if args.append and args.out and os.path.exists(args.out):
         with open(args.out) as f:
-            kept = json.load(f)["records"]
+            earlier = json.load(f)
+        if earlier["gpu"] != result["gpu"] or earlier["jax"] != result["jax"]:
+            print(f"--append: {args.out} was measured on {earlier['gpu']} with jax "
+                  f"{earlier['jax']}, this run is on {result['gpu']} with jax {result['jax']}; "
+                  "one results file holds one GPU model's rows", file=sys.stderr)
+            return 2
+        kept = earlier["records"]
     measured = {(name, m, v) for name in layers for m in ms for v in variants}
     result["records"] = [r for r in kept if (r["layer"], r["m"], r.get("variant")) not in measured]
 
@@ -316,12 +334,17 @@ def main(argv=None) -> int:
         print(f"{rec['layer']:12s} m={rec['m']:5d} {rec['variant']:21s}"
               f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
 
+    def save():
+        # After every m: a run stopped by a time limit keeps what it measured
+        # (resume it with --append).
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+
     for name in layers:
         bench_layer(name, ms, variants, result["records"], log, inner=args.inner,
-                    outputs=args.outputs)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+                    outputs=args.outputs, save=save)
     return 0
 
 

@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab pprobe step sanitize zp lab ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab pprobe step sanitize zp full lab ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -538,6 +538,22 @@ if has zp; then
   $BIN --sweep --reps 100 --zeros 16:4096:28672 16:4096:6144 > "$OUT/zp-sweep-zp.log" 2>&1
   grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-sym.log" | sed 's/^/symmetric: /'
   grep -E "^ +[0-9]|sweep" "$OUT/zp-sweep-zp.log" | sed 's/^/zero points: /'
+fi
+
+if has full; then
+  # The sweep the targets are stated for (bench_matmul.py --impls full: fp16 and
+  # bf16, g128 and g-1, each dtype's XLA dot, XLA int4; m up to 4096), a slice
+  # of layers per call: FULL_LAYERS (default every layer), FULL_MS (default the
+  # script's). FULL_RESUME: an earlier slice's JSON (carried in the tree) that
+  # this one appends to. The JSON is rewritten after every m, so the time limit
+  # (FULL_TIMEOUT seconds) loses at most the m it stops in.
+  step "full: the targets' sweep (${FULL_LAYERS:-every layer})"
+  [ -n "${FULL_RESUME:-}" ] && cp "$FULL_RESUME" "$OUT/full.json"
+  timeout "${FULL_TIMEOUT:-480}" python3 benchmarks/bench_matmul.py --impls full \
+    ${FULL_LAYERS:+--layers $FULL_LAYERS} ${FULL_MS:+--ms $FULL_MS} --out "$OUT/full.json" \
+    --append > "$OUT/full.log" 2>&1
+  echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/full.log") rows"
+  python3 benchmarks/targets.py "$OUT/full.json"
 fi
 
 if has lab; then

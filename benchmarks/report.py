@@ -31,6 +31,8 @@ import math
 import os
 import pathlib
 
+import targets  # beside this file
+
 # Device-to-device copy bandwidth of a CUDA copy kernel on an H200 (bytes read
 # + written; benchmarks/NOTES.md, Floors): the bandwidth limit for a kernel
 # that mostly reads weights.
@@ -133,6 +135,9 @@ def markdown(result) -> str:
     if result.get("note"):
         lines += ["", result["note"]]
     lines += ["", decode_step(table), ""]
+    card = targets.markdown(result, table)
+    if card:
+        lines += [*card, ""]
     return "\n".join(lines)
 
 
