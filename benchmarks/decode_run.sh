@@ -339,6 +339,7 @@ fi
 if has step; then
   step "Llama-3-8B decode step through JAX"
   python3 benchmarks/bench_decode_step.py --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | tail -5
+  python3 benchmarks/targets.py "$OUT/step.json" | grep -E "^\| "
   JAX_MARLIN_DECODE=0 python3 benchmarks/bench_decode_step.py --ms 1 16 2>&1 | tail -2 | sed 's/^/marlin only: /'
 fi
 

@@ -21,6 +21,10 @@ bandwidth, so the run's copy bandwidth is printed beside them):
 - accuracy: relative error <= 1e-3 in float16, <= 3e-3 in bfloat16;
 - imported layouts (m in {1, 16, 64, 256}, the 70B and 8B layers): zero
   points within 5% of the symmetric g128 time, act-order within 10%.
+
+Given a bench_decode_step.py JSON instead, it scores the Llama-3-8B decode
+step: >= 2.5x the float16 step at m = 1 and 16, not slower at m = 64, for
+each form the run timed (host-timed calls, pipelined, and the fused ones).
 """
 
 from __future__ import annotations
@@ -170,14 +174,41 @@ def markdown(result: dict, table: dict) -> list[str]:
     return out
 
 
+# The decode step: (m, least speedup over the float16 step).
+STEP_TARGETS = ((1, 2.5), (16, 2.5), (64, 1.0))
+# bench_decode_step.py's speedup fields, the forms of the step it times.
+STEP_FORMS = (("speedup", "calls"), ("pipelined_speedup", "pipelined"),
+              ("fused_speedup", "fused calls"), ("fused_pipelined_speedup", "fused, pipelined"))
+
+
+def step_markdown(step: dict) -> list[str]:
+    """The decode step's card from a bench_decode_step.py JSON, as markdown lines."""
+    rows = {r["m"]: r for r in step["rows"]}
+    out = ["## Targets: the decode step", "",
+           f"Llama-3-8B decode step ({step.get('blocks', '?')} blocks), jax_marlin g128 against "
+           f"float16 dots ({step['device']}, jax {step['jax']}).", "",
+           "| m | target | form | speedup | |", "|---|---|---|---|---|"]
+    for m, least in STEP_TARGETS:
+        for field, form in STEP_FORMS:
+            if m in rows and field in rows[m]:
+                v = rows[m][field]
+                out.append(f"| {m} | >= {least}x | {form} | {v:.2f}x "
+                           f"| {'yes' if v >= least else '**no**'} |")
+    return out
+
+
 def main(argv=None) -> None:
     import report  # beside this file
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("results", type=pathlib.Path, help="a bench_matmul.py results JSON")
+    parser.add_argument("results", type=pathlib.Path,
+                        help="a bench_matmul.py results JSON or a bench_decode_step.py one")
     args = parser.parse_args(argv)
     result = json.loads(args.results.read_text())
-    print("\n".join(markdown(result, report.index(result["records"]))))
+    if "records" in result:
+        print("\n".join(markdown(result, report.index(result["records"]))))
+    else:
+        print("\n".join(step_markdown(result)))
 
 
 if __name__ == "__main__":

@@ -127,3 +127,19 @@ def test_markdown_card_in_the_report():
     assert "| 0 / 1 |" in line and "70b.qkv m = 64: 1.20x" in line and "**no**" in line
     # A run with no row of any target has no card.
     assert targets.markdown(result([]), report.index([])) == []
+
+
+def test_decode_step_card():
+    step = dict(device="NVIDIA H200", jax="0.11.2", blocks=32, rows=[
+        dict(m=1, speedup=2.4, pipelined_speedup=2.5),
+        dict(m=16, speedup=2.6),
+        dict(m=64, speedup=0.99, pipelined_speedup=1.0, fused_pipelined_speedup=1.2)])
+    lines = targets.step_markdown(step)
+    rows = [l for l in lines if l.startswith("| 1 ") or l.startswith("| 16 ")
+            or l.startswith("| 64 ")]
+    assert rows == ["| 1 | >= 2.5x | calls | 2.40x | **no** |",
+                    "| 1 | >= 2.5x | pipelined | 2.50x | yes |",
+                    "| 16 | >= 2.5x | calls | 2.60x | yes |",
+                    "| 64 | >= 1.0x | calls | 0.99x | **no** |",
+                    "| 64 | >= 1.0x | pipelined | 1.00x | yes |",
+                    "| 64 | >= 1.0x | fused, pipelined | 1.20x | yes |"]
