@@ -554,7 +554,7 @@ if has full; then
     ${FULL_LAYERS:+--layers $FULL_LAYERS} ${FULL_MS:+--ms $FULL_MS} --out "$OUT/full.json" \
     --append > "$OUT/full.log" 2>&1
   echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/full.log") rows"
-  python3 benchmarks/targets.py "$OUT/full.json"
+  [ -f "$OUT/full.json" ] && python3 benchmarks/targets.py "$OUT/full.json"
 fi
 
 if has lab; then

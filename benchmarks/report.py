@@ -11,7 +11,8 @@ each peer, a decode step of a Llama-70B block, and, where the run has them,
 tables for bfloat16 and for the fp16 group sizes. The plot shows the speedup
 of fp16 g128 over ``xla_fp16`` against m with the memory-bound ideal drawn in,
 beside it the same for bf16 g128 over ``xla_bf16`` and the time of each group
-size relative to g128.
+size relative to g128. The markdown ends with the targets' scorecard
+(``targets.py``): which of the project's targets the run's rows meet.
 
 ``--readme`` also replaces the README's performance table (between the
 marker comments ``README_BEGIN`` and ``README_END``) with one generated from
