@@ -9,8 +9,8 @@ without them shows no line; a partial sweep scores what it has), so the card
 says what was measured, not what was meant to be. ``report.py`` appends the
 same card to the results' markdown.
 
-The targets (on an H200; elsewhere the TB/s ones read against that card's
-bandwidth, so the run's copy bandwidth is printed beside them):
+The targets are stated for an H200; on another card the TB/s ones meet a
+different bandwidth, so the card prints the run's copy bandwidth beside them:
 
 - decode, the four 70B layers at m = 1..16: median >= 3.4 TB/s, no row below
   2.8 TB/s (TB/s: the int4 weights, scales, x and y moved once per call);
@@ -48,8 +48,7 @@ class Target:
 
     ``value(record, peers)`` gives a row's number (``None`` if the run lacks
     what it is compared with), ``ok(value)`` whether the row meets the
-    target; with ``median`` set the rows' median must reach it instead, and
-    the line also shows the worst row against ``ok``.
+    target; with ``median`` set, the rows' median must meet it as well.
     """
 
     name: str
