@@ -547,10 +547,11 @@ if has full; then
   # of layers per call: FULL_LAYERS (default every layer), FULL_MS (default the
   # script's). FULL_RESUME: an earlier slice's JSON (carried in the tree) that
   # this one appends to. The JSON is rewritten after every m, so the time limit
-  # (FULL_TIMEOUT seconds) loses at most the m it stops in.
+  # (FULL_TIMEOUT seconds, default 420: with `build` before it, a call stays
+  # under the GPU machine's 600) loses at most the m it stops in.
   step "full: the targets' sweep (${FULL_LAYERS:-every layer})"
   [ -n "${FULL_RESUME:-}" ] && cp "$FULL_RESUME" "$OUT/full.json"
-  timeout "${FULL_TIMEOUT:-480}" python3 benchmarks/bench_matmul.py --impls full \
+  timeout "${FULL_TIMEOUT:-420}" python3 benchmarks/bench_matmul.py --impls full \
     ${FULL_LAYERS:+--layers $FULL_LAYERS} ${FULL_MS:+--ms $FULL_MS} --out "$OUT/full.json" \
     --append > "$OUT/full.log" 2>&1
   echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/full.log") rows"
