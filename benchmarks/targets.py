@@ -49,6 +49,8 @@ class Target:
     ``value(record, peers)`` gives a row's number (``None`` if the run lacks
     what it is compared with), ``ok(value)`` whether the row meets the
     target; with ``median`` set, the rows' median must meet it as well.
+    ``higher``: whether a larger value is better (speedups, TB/s) or worse
+    (errors, costs); it decides which row is the worst.
     """
 
     name: str
@@ -59,15 +61,20 @@ class Target:
     ok: Callable[[float], bool]
     unit: str  # how a value prints: 'x', 'TB/s', 'err', '%'
     median: Callable[[float], bool] | None = None
+    higher: bool = True
 
 
 def _symmetric(key: str) -> bool:
     return key.startswith("jax_marlin") and " zp " not in f" {key} " and "act order" not in key
 
 
+def _bf16(key: str) -> bool:
+    return " bf16 " in f" {key} "
+
+
 def _dot_of(key: str) -> str:
     """The XLA dot a jax_marlin variant is compared with: the same dtype's."""
-    return "xla_bf16" if " bf16 " in f" {key} " else "xla_fp16"
+    return "xla_bf16" if _bf16(key) else "xla_fp16"
 
 
 def _speedup(record: dict, peers: dict) -> float | None:
@@ -97,17 +104,17 @@ TARGETS = [
     Target("prefill: m = 512-4096, not slower than the XLA dot", None,
            lambda m: 512 <= m <= 4096, _symmetric, _speedup, lambda v: v >= 1.0, "x"),
     Target("accuracy: float16 rel err <= 1e-3", None, lambda m: True,
-           lambda key: key.startswith("jax_marlin") and " bf16 " not in f" {key} ",
-           lambda r, _: r.get("rel_err"), lambda v: v <= 1e-3, "err"),
+           lambda key: key.startswith("jax_marlin") and not _bf16(key),
+           lambda r, _: r.get("rel_err"), lambda v: v <= 1e-3, "err", higher=False),
     Target("accuracy: bfloat16 rel err <= 3e-3", None, lambda m: True,
-           lambda key: key.startswith("jax_marlin") and " bf16 " in f" {key} ",
-           lambda r, _: r.get("rel_err"), lambda v: v <= 3e-3, "err"),
+           lambda key: key.startswith("jax_marlin") and _bf16(key),
+           lambda r, _: r.get("rel_err"), lambda v: v <= 3e-3, "err", higher=False),
     Target("zero points within 5% of symmetric g128", LAYERS_70B + LAYERS_8B,
            lambda m: m in IMPORT_MS, lambda key: key == "jax_marlin zp g128", _over_symmetric,
-           lambda v: v <= 0.05, "%"),
+           lambda v: v <= 0.05, "%", higher=False),
     Target("act-order within 10% of symmetric g128", LAYERS_70B + LAYERS_8B,
            lambda m: m in IMPORT_MS, lambda key: key == "jax_marlin act order g128",
-           _over_symmetric, lambda v: v <= 0.10, "%"),
+           _over_symmetric, lambda v: v <= 0.10, "%", higher=False),
 ]
 
 
@@ -145,7 +152,7 @@ def score(table: dict) -> list[dict]:
             met = [v for v in values if target.ok(v[2])]
             # The worst row: the one furthest on the failing side.
             worst = min(values, key=lambda v: (target.ok(v[2]),
-                                               -v[2] if target.unit in ("err", "%") else v[2]))
+                                               v[2] if target.higher else -v[2]))
             med = statistics.median(v[2] for v in values)
             lines.append(dict(target=target, key=key, rows=len(values), met=len(met),
                               worst=worst, median=med,
