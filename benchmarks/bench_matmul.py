@@ -36,13 +36,21 @@ formulation. ``--inner N`` applies the weight sets to N distinct copies of
 matmul is shorter than the host's dispatch of a call; jax_marlin rows only:
 XLA merges dots that share a weight into one dot, so the XLA rows keep one
 copy. Rows record their ``inner``. ``--outputs sum`` adds the products
-inside the call (one float32 fusion reading them all, the same for every
-variant) instead of returning each, so that they are temporaries of the
-executable. What it tests: XLA re-records a command of its command buffer
-(CUDA graph) when that command's buffers have moved, and for an FFI custom
-call that means tracing the handler into a new nested graph, where a kernel
-command (XLA's dots) only updates its arguments; returned products get new
-buffers at every dispatch. Rows record their ``outputs``. Median and spread (max - min) over
+inside the call (they pass an optimization barrier, so that no rewrite of
+the consumer reaches into a dot, then one float32 fusion reads them all, the
+same for every variant) instead of returning each, so that they are
+temporaries of the executable, as a model's projections are. Why it
+matters: XLA re-records a command of its command buffer (CUDA graph) when
+that command's buffers have moved, and for an FFI custom call that means
+tracing the handler into a new nested graph, where a kernel command (XLA's
+dots) only updates its arguments; returned products get new buffers at
+every dispatch, which on the H200 cost the custom call about 8.8 us and the
+dot 4.1 on 4096 x 4096 (benchmarks/NOTES.md), more than either's kernel at m
+<= 16. The consumer adds the time of reading each product once to every
+variant (2.5 m n bytes per matmul: under 1% of a row at m <= 64, about 2.5%
+at m >= 1024). ``--impls full`` (the targets' sweep) takes ``sum`` unless
+told otherwise; the README's ``sweep`` keeps ``list``, the form of its
+earlier runs. Rows record their ``outputs``. Median and spread (max - min) over
 ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its relative
 error against ``x @ dequantize(w)`` in float32, unrounded, so a fast wrong
 kernel cannot report. A device-to-device copy in the same process gives
@@ -228,8 +236,13 @@ def _int4(xs, ws):
 def _summed(products):
     # The products added in float32 inside the call (one fusion reading them
     # all), so that they are temporaries of the executable rather than its
-    # results.
-    return lambda xs, ws: sum(y.astype(jnp.float32) for y in products(xs, ws))
+    # results. The barrier keeps the consumer out of the dots: without it XLA
+    # may rewrite what reads a dot into the dot (a slice into a smaller dot,
+    # an add into cuBLAS's epilogue), which it cannot do to a custom call.
+    def summed(xs, ws):
+        ys = jax.lax.optimization_barrier(products(xs, ws))
+        return sum(y.astype(jnp.float32) for y in ys)
+    return summed
 
 
 # --outputs list: the products are the call's results, in buffers that are new
@@ -291,9 +304,10 @@ def main(argv=None) -> int:
     parser.add_argument("--inner", type=int, default=1,
                         help="jax_marlin rows: distinct copies of x per call (matmuls per dispatch: "
                              "inner x 8); XLA rows always use 1")
-    parser.add_argument("--outputs", choices=["list", "sum"], default="list",
+    parser.add_argument("--outputs", choices=["list", "sum"],
                         help="list: every product a result of the call; sum: the products added "
-                             "inside the call, so that they are temporaries (rows record it)")
+                             "inside the call, so that they are temporaries, as in a model (rows "
+                             "record it; default sum with --impls full, else list)")
     parser.add_argument("--out", help="results JSON, rewritten after every m of every layer")
     parser.add_argument("--append", action="store_true",
                         help="keep the records of --out that this run does not measure again "
@@ -306,12 +320,13 @@ def main(argv=None) -> int:
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
     variants = expand(args.impls)
     ms = args.ms or (QUICK_MS if args.quick else FULL_MS if "full" in args.impls else MS)
+    outputs = args.outputs or ("sum" if "full" in args.impls else "list")
 
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__,
                   date=datetime.date.today().isoformat(),
                   method=dict(rotate=ROTATE, calls=CALLS, repeats=REPEATS, inner=args.inner,
-                              outputs=args.outputs,
+                              outputs=outputs,
                               rel_err="against x @ dequantize(w) in float32, unrounded",
                               x="one [m, k] argument per call, never a slice of a stacked array"),
                   copy_tbps=round(copy_tbps(), 3), records=[])
@@ -324,6 +339,14 @@ def main(argv=None) -> int:
             print(f"--append: {args.out} was measured on {earlier['gpu']} with jax "
                   f"{earlier['jax']}, this run is on {result['gpu']} with jax {result['jax']}; "
                   "one results file holds one GPU model's rows", file=sys.stderr)
+            return 2
+        mismatch = {key: (earlier["method"].get(key), result["method"][key])
+                    for key in ("rotate", "calls", "repeats", "inner", "outputs")
+                    if earlier["method"].get(key) != result["method"][key]}
+        if mismatch:
+            print(f"--append: {args.out} was measured another way ("
+                  + ", ".join(f"{key} {a} there, {b} here" for key, (a, b) in mismatch.items())
+                  + "); one results file holds one method's rows", file=sys.stderr)
             return 2
         kept = earlier["records"]
     measured = {(name, m, v) for name in layers for m in ms for v in variants}
@@ -344,7 +367,7 @@ def main(argv=None) -> int:
 
     for name in layers:
         bench_layer(name, ms, variants, result["records"], log, inner=args.inner,
-                    outputs=args.outputs, save=save)
+                    outputs=outputs, save=save)
     return 0
 
 

@@ -543,7 +543,8 @@ fi
 
 if has full; then
   # The sweep the targets are stated for (bench_matmul.py --impls full: fp16 and
-  # bf16, g128 and g-1, each dtype's XLA dot, XLA int4; m up to 4096), a slice
+  # bf16, g128 and g-1, each dtype's XLA dot, XLA int4; m up to 4096; the
+  # products summed inside each call, as temporaries: --outputs sum), a slice
   # of layers per call: FULL_LAYERS (default every layer), FULL_MS (default the
   # script's). FULL_RESUME: an earlier slice's JSON (carried in the tree) that
   # this one appends to. The JSON is rewritten after every m, so the time limit

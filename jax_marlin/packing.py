@@ -511,8 +511,12 @@ def dequantize(w: MarlinWeight, dtype=None) -> jax.Array:
     exact values ``jm.matmul`` multiplies by.
     """
     _check_weight(w)
-    return _dequantize(w.qweight, w.scales, w.perm, w.zeros, w.k, w.n, w.group_size,
-                       w.dtype if dtype is None else np.dtype(dtype))
+    dtype = w.dtype if dtype is None else np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # An integer dtype would truncate (q - zero) * scale without a word.
+        raise TypeError(f"dequantize: dtype = {dtype}; the weight's values are fractions, "
+                        "dequantize to a float dtype (float16, bfloat16, float32)")
+    return _dequantize(w.qweight, w.scales, w.perm, w.zeros, w.k, w.n, w.group_size, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))

@@ -5,10 +5,16 @@ shape and the relative errors do.)
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import jax_marlin as jm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_matmul  # noqa: E402
@@ -60,3 +66,49 @@ def test_full_variants_records_and_saves(tiny):
 
 def test_full_alias_measures_up_to_4096():
     assert bench_matmul.FULL_MS[-1] == 4096 and bench_matmul.FULL_MS[:-2] == bench_matmul.MS
+
+
+def test_summed_products_are_the_sum(tiny):
+    # --outputs sum: the call returns the float32 sum of its products, which
+    # pass an optimization barrier first (so the dots stay whole).
+    records = []
+    bench_matmul.bench_layer(tiny, [3], ["jax_marlin_g128", "xla_fp16"], records,
+                             log=lambda r: None, outputs="sum")
+    assert {r["outputs"] for r in records} == {"sum"}
+    k, n = bench_matmul.LAYERS[tiny]
+    x = jax.random.normal(jax.random.key(0), (3, k), jnp.float16)
+    ws = [jm.quantize(jax.random.normal(jax.random.key(i), (k, n))) for i in range(2)]
+    summed = bench_matmul.FUNCTIONS["sum"]["jax_marlin"]([x], ws)
+    expected = sum(jm.matmul(x, w).astype(jnp.float32) for w in ws)
+    assert summed.shape == (3, n) and summed.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(expected))
+    assert "optimization_barrier" in bench_matmul.FUNCTIONS["sum"]["xla_fp16"].lower(
+        [x], [w.astype(jnp.float16) for w in (jnp.ones((k, n)),) * 2]).as_text()
+
+
+@pytest.fixture
+def main_on_cpu(tiny, monkeypatch):
+    """bench_matmul.main on a CPU: the GPU check passed, the 8 GiB copy measurement skipped."""
+    monkeypatch.setattr(bench_matmul.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(bench_matmul.jm, "HAS_CUDA", True)
+    monkeypatch.setattr(bench_matmul, "copy_tbps", lambda: 1.0)
+    return lambda *argv: bench_matmul.main(["--layers", tiny, "--ms", "1", *argv])
+
+
+def test_full_sums_and_append_keeps_one_method(main_on_cpu, tmp_path, capsys):
+    out = str(tmp_path / "full.json")
+    assert main_on_cpu("--impls", "full", "--out", out) == 0
+    first = json.loads(pathlib.Path(out).read_text())
+    assert first["method"]["outputs"] == "sum"  # the targets' sweep: temporaries, as in a model
+    assert {r["outputs"] for r in first["records"]} == {"sum"}
+    # A slice measured the other way is refused, and the file is left as it was.
+    assert main_on_cpu("--impls", "full", "--outputs", "list", "--out", out, "--append") == 2
+    assert "outputs sum there, list here" in capsys.readouterr().err
+    assert json.loads(pathlib.Path(out).read_text()) == first
+    # The same method appends: the earlier rows of other m stay.
+    assert main_on_cpu("--impls", "full", "--ms", "2", "--out", out, "--append") == 0
+    both = json.loads(pathlib.Path(out).read_text())
+    assert sorted({r["m"] for r in both["records"]}) == [1, 2]
+    # The README's sweep keeps returned products.
+    assert main_on_cpu("--impls", "sweep", "--out", str(tmp_path / "sweep.json")) == 0
+    assert json.loads((tmp_path / "sweep.json").read_text())["method"]["outputs"] == "list"

@@ -236,6 +236,10 @@ def test_dequantize_dtypes(rng):
     assert jm.dequantize(w, jnp.float32).shape == (128, 128)
     wb = jm.quantize(random_weight(rng, 128, 100), group_size=32, dtype=jnp.bfloat16)
     assert jm.dequantize(wb).dtype == jnp.bfloat16 and jm.dequantize(wb).shape == (128, 100)
+    # An integer dtype would truncate the fractions: refused, naming it.
+    for dtype in (jnp.int32, jnp.int8, jnp.bool_):
+        with pytest.raises(TypeError, match="float dtype"):
+            jm.dequantize(w, dtype)
 
 
 def test_quantize_is_traceable(rng):
