@@ -48,9 +48,10 @@ every dispatch, which on the H200 cost the custom call about 8.8 us and the
 dot 4.1 on 4096 x 4096 (benchmarks/NOTES.md), more than either's kernel at m
 <= 16. The consumer adds the time of reading each product once to every
 variant (2.5 m n bytes per matmul: under 1% of a row at m <= 64, about 2.5%
-at m >= 1024). ``--impls full`` (the targets' sweep) takes ``sum`` unless
-told otherwise; the README's ``sweep`` keeps ``list``, the form of its
-earlier runs. Rows record their ``outputs``. Median and spread (max - min) over
+at m >= 1024). ``--impls full`` (the targets' sweep) and ``zp`` (whose
+ratios a returned product's fixed cost would flatten) take ``sum`` unless
+told otherwise; the others keep ``list``, the form of the README's earlier
+runs. Rows record their ``outputs``. Median and spread (max - min) over
 ``REPEATS`` repeats, after warm-up. Every jax_marlin row carries its relative
 error against ``x @ dequantize(w)`` in float32, unrounded, so a fast wrong
 kernel cannot report. A device-to-device copy in the same process gives
@@ -272,6 +273,7 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
         x32 = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
         xs = {dtype: x32.astype(jnp.dtype(dtype)) for dtype in ("float16", "bfloat16")}
         for v in variants:
+            started = time.perf_counter()
             impl, dtype, group_size, layout = VARIANTS[v]
             x, ws = xs[dtype], sets[v]
             # Distinct buffers, so XLA cannot merge the custom calls.
@@ -286,6 +288,9 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
                 moved = ws[0].nbytes + x.dtype.itemsize * (m * k + m * n)
                 rec["tbps"] = round(moved / (median * 1e-6) / 1e12, 3)
                 rec["rel_err"] = rel_err(x, ws[0])
+            # The row's wall time (compiles, timing, error check): where a sweep's
+            # device time goes, for planning the next.
+            rec["row_s"] = round(time.perf_counter() - started, 2)
             records.append(rec)
             log(rec)
         save()
@@ -307,7 +312,7 @@ def main(argv=None) -> int:
     parser.add_argument("--outputs", choices=["list", "sum"],
                         help="list: every product a result of the call; sum: the products added "
                              "inside the call, so that they are temporaries, as in a model (rows "
-                             "record it; default sum with --impls full, else list)")
+                             "record it; default sum with --impls full or zp, else list)")
     parser.add_argument("--out", help="results JSON, rewritten after every m of every layer")
     parser.add_argument("--append", action="store_true",
                         help="keep the records of --out that this run does not measure again "
@@ -320,7 +325,10 @@ def main(argv=None) -> int:
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
     variants = expand(args.impls)
     ms = args.ms or (QUICK_MS if args.quick else FULL_MS if "full" in args.impls else MS)
-    outputs = args.outputs or ("sum" if "full" in args.impls else "list")
+    # The scored runs (the targets' sweep, and the imported layouts against
+    # symmetric weights, whose ratios a returned product's fixed cost would
+    # flatten) keep products inside the call; the README's sweep its own form.
+    outputs = args.outputs or ("sum" if {"full", "zp"} & set(args.impls) else "list")
 
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__,
@@ -355,7 +363,8 @@ def main(argv=None) -> int:
     def log(rec):
         extra = f"{rec['tbps']:6.2f} TB/s  err {rec['rel_err']:.1e}" if rec["tbps"] else ""
         print(f"{rec['layer']:12s} m={rec['m']:5d} {rec['variant']:21s}"
-              f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}", flush=True)
+              f"{rec['median_us']:9.1f} us ±{rec['spread_us']:.1f}  {extra}"
+              f"  [{rec['row_s']:.1f} s]", flush=True)
 
     def save():
         # After every m: a run stopped by a time limit keeps what it measured

@@ -44,7 +44,7 @@ def test_full_variants_records_and_saves(tiny):
     assert set(table[(tiny, 64)]) == {"jax_marlin g128", "jax_marlin g-1", "jax_marlin bf16 g128",
                                       "jax_marlin bf16 g-1", "xla_fp16", "xla_bf16", "xla_int4"}
     for r in records:
-        assert r["median_us"] > 0
+        assert r["median_us"] > 0 and r["row_s"] >= r["median_us"] * 1e-6
         if r["impl"] == "jax_marlin":
             # Against x @ dequantize(w) in float32: the output's rounding only.
             assert 0 < r["rel_err"] <= (1e-3 if r["dtype"] == "float16" else 3e-3), r
@@ -109,6 +109,7 @@ def test_full_sums_and_append_keeps_one_method(main_on_cpu, tmp_path, capsys):
     assert main_on_cpu("--impls", "full", "--ms", "2", "--out", out, "--append") == 0
     both = json.loads(pathlib.Path(out).read_text())
     assert sorted({r["m"] for r in both["records"]}) == [1, 2]
-    # The README's sweep keeps returned products.
-    assert main_on_cpu("--impls", "sweep", "--out", str(tmp_path / "sweep.json")) == 0
-    assert json.loads((tmp_path / "sweep.json").read_text())["method"]["outputs"] == "list"
+    # So does the imported layouts' side by side; the README's sweep keeps returned products.
+    for impls, outputs in (("zp", "sum"), ("sweep", "list")):
+        assert main_on_cpu("--impls", impls, "--out", str(tmp_path / f"{impls}.json")) == 0
+        assert json.loads((tmp_path / f"{impls}.json").read_text())["method"]["outputs"] == outputs
