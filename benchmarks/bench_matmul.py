@@ -258,10 +258,16 @@ FUNCTIONS = {
 
 def rel_err(x, w) -> float:
     """||jm.matmul(x, w) - x @ W|| / ||x @ W||, W the exact dequantized weight, in float32."""
+    return float(_rel_err(x, w))
+
+
+@jax.jit
+def _rel_err(x, w):
+    # One executable per row (eagerly, each of these ops compiled on its own).
     y = jm.matmul(x, w).astype(jnp.float32)
     ref = jnp.matmul(x.astype(jnp.float32), jm.dequantize(w, jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
-    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    return jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)
 
 
 def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
