@@ -168,7 +168,10 @@ def markdown(result: dict, table: dict) -> list[str]:
         return []
     out = ["## Targets", "",
            f"Each target against this run's rows ({result['gpu']}, copy bandwidth "
-           f"{result['copy_tbps']:.2f} TB/s); *met*: rows that reach it; *worst*: the row "
+           f"{result['copy_tbps']:.2f} TB/s; products "
+           + ("summed inside each call, as temporaries"
+              if result.get("method", {}).get("outputs") == "sum" else "returned from each call")
+           + "); *met*: rows that reach it; *worst*: the row "
            "furthest from it (or, where all meet it, nearest to failing).", "",
            "| target | variant | met | median | worst row | |",
            "|---|---|---|---|---|---|"]
