@@ -7,7 +7,7 @@
 # cuBLAS and the Marlin kernel, time a Llama-3-8B decode step through JAX, and
 # run compute-sanitizer.
 #
-#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab pprobe step sanitize zp full lab ab abstep
+#   benchmarks/decode_run.sh [stage ...]   build check sweep gsweep time block tests prefill pncu psrc dsrc l2 probe pab pprobe step sanitize zp full jzp lab ab abstep
 #
 # Stage ab (after build) times variants of the decode kernel against the
 # tree's: VARIANTS="x.diff y.cu" names patches of ffi/decode_kernel.cu or
@@ -557,6 +557,19 @@ if has full; then
     --append > "$OUT/full.log" 2>&1
   echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/full.log") rows"
   [ -f "$OUT/full.json" ] && python3 benchmarks/targets.py "$OUT/full.json"
+fi
+
+if has jzp; then
+  # The imported layouts' cost through JAX, as the targets state it: zero
+  # points, act-order and both against symmetric fp16 g128 weights at m = 1,
+  # 16, 64, 256 (bench_matmul.py --impls zp, products summed inside the call),
+  # JZP_LAYERS (default every layer), within JZP_TIMEOUT seconds (default 420);
+  # the JSON is rewritten after every m.
+  step "jzp: zero points and act-order through jm.matmul (${JZP_LAYERS:-every layer})"
+  timeout "${JZP_TIMEOUT:-420}" python3 benchmarks/bench_matmul.py --impls zp --ms 1 16 64 256 \
+    ${JZP_LAYERS:+--layers $JZP_LAYERS} --out "$OUT/zp.json" > "$OUT/zp.log" 2>&1
+  echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/zp.log") rows"
+  [ -f "$OUT/zp.json" ] && python3 benchmarks/targets.py "$OUT/zp.json"
 fi
 
 if has lab; then
