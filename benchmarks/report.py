@@ -113,7 +113,8 @@ def markdown(result) -> str:
         "the larger of that and the baseline's copy kernel on this GPU. "
         "Times are device microseconds per matmul (median of "
         f"{result['method']['repeats']}, spread in the JSON; {result['method']['rotate']} weight "
-        f"sets rotated so weights come from HBM; {products_form(result['method'])}). *floor*: int4 g128 bytes at the limit. "
+        f"sets rotated so weights come from HBM; {products_form(result['method'])}). "
+        "*floor*: int4 g128 bytes at the limit. "
         "*% limit*: jax_marlin g128's effective bandwidth over the limit. *vs*: speedup of "
         "jax_marlin g128 over the peer. *rel err*: jax_marlin g128 against the float32 reference.",
         "",
