@@ -95,6 +95,18 @@ LAYERS = {
     "8b.gate_up": (4096, 28672),
     "8b.down": (14336, 4096),
 }
+# Measured only when named (--layers): the fused projections of SmolLM2-135M
+# (hidden 576, 9 heads and 3 KV heads of 64, MLP 1536), whose 4-bit decode
+# step at batch 16 ran at 0.62x the float16 step's speed (README, 2026-12-03,
+# unfused): layers of 0.2-1 MB of 4-bit weights, where a call's fixed cost is
+# nearly all of it. The scorecard scores their rows at m <= 16 against the
+# dot (every layer, not slower).
+SMALL_LAYERS = {
+    "135m.qkv": (576, 960),
+    "135m.o": (576, 576),
+    "135m.gate_up": (576, 3072),
+    "135m.down": (1536, 576),
+}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 FULL_MS = MS + [2048, 4096]  # --impls full without --ms
 QUICK_LAYERS = ["70b.qkv", "70b.gate_up", "70b.down"]
@@ -273,7 +285,7 @@ def _rel_err(x, w):
 def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
                 inner: int = 1, outputs: str = "list", save=lambda: None) -> None:
     """Appends a record per (m, variant) to ``records``; ``save()`` after each m."""
-    k, n = LAYERS[name]
+    k, n = {**LAYERS, **SMALL_LAYERS}[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
         x32 = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
@@ -306,7 +318,9 @@ def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dic
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 layers, m in {1, 16, 64}")
-    parser.add_argument("--layers", nargs="*", help="subset of layers")
+    parser.add_argument("--layers", nargs="*",
+                        help=f"layers to measure (default: {' '.join(LAYERS)}; also "
+                             f"{' '.join(SMALL_LAYERS)})")
     parser.add_argument("--ms", nargs="*", type=int,
                         help=f"subset of m (default {MS}; with --impls full up to {FULL_MS[-1]})")
     parser.add_argument("--impls", nargs="*", choices=[*VARIANTS, *ALIASES], default=["sweep"],
@@ -329,6 +343,9 @@ def main(argv=None) -> int:
         print("bench_matmul needs a CUDA GPU and jax_marlin built with CUDA", file=sys.stderr)
         return 2
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
+    unknown = [name for name in layers if name not in {**LAYERS, **SMALL_LAYERS}]
+    if unknown:
+        parser.error(f"unknown layers {unknown}: choose from {list(LAYERS) + list(SMALL_LAYERS)}")
     variants = expand(args.impls)
     ms = args.ms or (QUICK_MS if args.quick else FULL_MS if "full" in args.impls else MS)
     # The scored runs (the targets' sweep, and the imported layouts against

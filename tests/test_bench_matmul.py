@@ -113,3 +113,18 @@ def test_full_sums_and_append_keeps_one_method(main_on_cpu, tmp_path, capsys):
     for impls, outputs in (("zp", "sum"), ("sweep", "list")):
         assert main_on_cpu("--impls", impls, "--out", str(tmp_path / f"{impls}.json")) == 0
         assert json.loads((tmp_path / f"{impls}.json").read_text())["method"]["outputs"] == outputs
+
+
+def test_small_layers_only_when_named(main_on_cpu, tmp_path, monkeypatch, capsys):
+    # SmolLM2-135M's projections are measured when named, never by default,
+    # and a misspelt layer is refused by name.
+    assert not set(bench_matmul.SMALL_LAYERS) & set(bench_matmul.LAYERS)
+    monkeypatch.setattr(bench_matmul, "ROTATE", 1)
+    out = tmp_path / "small.json"
+    assert bench_matmul.main(["--layers", "135m.o", "--ms", "1", "--impls", "jax_marlin_g128",
+                              "xla_fp16", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {(r["layer"], r["k"], r["n"]) for r in records} == {("135m.o", 576, 576)}
+    with pytest.raises(SystemExit):
+        bench_matmul.main(["--layers", "135m.0", "--ms", "1"])
+    assert "unknown layers ['135m.0']" in capsys.readouterr().err
