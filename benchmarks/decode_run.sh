@@ -123,8 +123,10 @@ decode_columns() {
   grep -E "^ +[0-9]" "$1" | awk '{print $1 ":" $2 ":" $3, $NF}' > "$2.graph"
 }
 
-# 70B and 8B layers (k:n).
-LAYERS="8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"
+# 70B and 8B layers (k:n) of the kernel-level stages (check, time, sweep, ...);
+# DECODE_LAYERS replaces them, e.g. SmolLM2-135M's as stored (k padded to 640
+# for g128): DECODE_LAYERS="640:960 640:576 640:3072 1536:576" ... sweep.
+LAYERS=${DECODE_LAYERS:-"8192:10240 8192:8192 8192:57344 28672:8192 4096:6144 4096:4096 4096:28672 14336:4096"}
 # The zero-point and act-order cost table's cases (m:k:n), through the launcher.
 COST_CASES=$(for m in 1 16 64 256; do
   for l in 8192:10240 28672:8192 4096:6144 14336:4096 8192:57344 4096:28672; do echo -n "$m:$l "; done
