@@ -2,8 +2,8 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi benchmarks/decode_bench.cu ffi/decode_kernel.cu \
 //        ffi/marlin_kernel.cu <the Marlin instance objects> -o decode_bench
-//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep [--graph]] [--chain]
-//                  [--memset-counters] [--reps N] m:k:n ...
+//   ./decode_bench [--group G] [--bf16] [--zeros] [--act-order] [--check] [--sweep [--graph]
+//                  [--any-warps]] [--chain] [--memset-counters] [--reps N] m:k:n ...
 //
 // For each case m:k:n it prints the time per call of marlin::matmul (what
 // the launcher picks: the decode kernel for m <= 16 on sm_90 unless
@@ -14,7 +14,11 @@
 // input, as in a decode step), launched on the stream and replayed as a CUDA
 // graph; both columns are per call, less the small kernel's time in a graph.
 // --sweep times every decode configuration (as independent calls, or
-// with --graph per call in that graph of dependent calls). --check compares the
+// with --graph per call in that graph of dependent calls): chunks and k
+// ranges per block of 1, 2, 4 or 8, the launcher's candidates; with
+// --any-warps any counts the kernel's rules allow (cw kw <= 8), such as 7
+// k ranges on the 7 x 4096-deep down projections or 5 on a 640-deep layer,
+// which the cost model never picks (check them with --check). --check compares the
 // output (NaN-poisoned first) with a float64 host product on six 64-column
 // chunks (first, last, four spread between) with and without a bias, checks
 // that repeats are bit-identical, and does so for every configuration with
@@ -244,10 +248,13 @@ std::pair<float, float> time_in_graph(Step &&step, Other &&other, cudaStream_t s
   return {all / 64, alone / 64};
 }
 
+bool g_any_warps = false;  // --any-warps
+
 std::vector<marlin::DecodeConfig> all_configs(const Case &c) {
   std::vector<marlin::DecodeConfig> out;
-  for (int cw : {1, 2, 4, 8})
-    for (int kw : {1, 2, 4, 8})
+  const int step = g_any_warps ? 1 : 0;  // 1..8, or powers of two
+  for (int cw = 1; cw <= 8; cw = step ? cw + 1 : 2 * cw)
+    for (int kw = 1; kw <= 8; kw = step ? kw + 1 : 2 * kw)
       for (int s = 1; s <= 16; ++s) {
         marlin::DecodeConfig config{cw, kw, s};
         if (marlin::check_decode_config(config, c.m, c.n, c.k, g_group).empty()) out.push_back(config);
@@ -267,6 +274,7 @@ int main(int argc, char **argv) {
     else if (a == "--sweep") sweep = true;
     else if (a == "--chain") chain = true;
     else if (a == "--graph") sweep_graph = true;
+    else if (a == "--any-warps") g_any_warps = true;
     else if (a == "--bf16") g_bf16 = true;
     else if (a == "--zeros") g_zeros = true;
     else if (a == "--act-order") g_act_order = true;

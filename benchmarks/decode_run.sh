@@ -333,9 +333,12 @@ if has block; then
 fi
 
 if has sweep; then
-  step "sweep: every decode configuration, fp16 g128, m = 1 and 16"
-  $BIN --sweep --reps 100 $(for l in $LAYERS; do echo -n "1:$l 4:$l 8:$l 16:$l "; done) > "$OUT/sweep.log" 2>&1
-  grep -E "^ +[0-9]|sweep" "$OUT/sweep.log"
+  # SWEEP_ARGS: more decode_bench arguments, e.g. "--any-warps --check" (every
+  # warp count the kernel allows, each checked against float64).
+  step "sweep: every decode configuration, fp16 g128, m = 1, 4, 8 and 16 ${SWEEP_ARGS:-}"
+  $BIN --sweep --reps 100 ${SWEEP_ARGS:-} $(for l in $LAYERS; do echo -n "1:$l 4:$l 8:$l 16:$l "; done) > "$OUT/sweep.log" 2>&1
+  echo "decode_bench: exit $?, $(grep -c '^  check ' "$OUT/sweep.log") checks"
+  grep -E "^ +[0-9]|sweep|FAILED" "$OUT/sweep.log"
 fi
 
 if has step; then
