@@ -5,7 +5,7 @@
 #
 #   build     pip install this tree with CUDA (sm_90 only) against the machine's jax
 #   tests     the pytest suite, GPU cases included ($TESTS: files, default tests/)
-#   sanitize  compute-sanitizer ($SANITIZE_TOOL, default memcheck) over tests/sanitize_cases.py
+#   sanitize  compute-sanitizer ($SANITIZE_TOOL, default memcheck) over tests/sanitize_cases.py ($SANITIZE_CASES: its mode)
 #   quick     bench_matmul.py --quick: 3 layers x m in {1, 16, 64}
 #   sweep     the README's sweep: every layer x m in {1 .. 1024} x jax_marlin fp16/bf16 g128,
 #             xla_fp16, xla_int4 -> gpu-out/sweep.json ($SWEEP_LAYERS: a subset; the records
@@ -56,8 +56,10 @@ if has sanitize; then
   # (2026-12-07, compute-sanitizer 2025.3.1); the hazard mode ran.
   tool_args=(--tool "${SANITIZE_TOOL:-memcheck}")
   [ "${SANITIZE_TOOL:-memcheck}" = racecheck ] && tool_args+=(--racecheck-report hazard)
+  # SANITIZE_CASES: sanitize_cases.py's mode (default all; random: the seeded
+  # random combinations of tests/test_combinations.py).
   (cd /tmp && timeout 300 compute-sanitizer "${tool_args[@]}" \
-    python3 "$OLDPWD/tests/sanitize_cases.py") > "$OUT/sanitize.log" 2>&1 || status=1
+    python3 "$OLDPWD/tests/sanitize_cases.py" ${SANITIZE_CASES:-}) > "$OUT/sanitize.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases," "$OUT/sanitize.log"
 fi
 

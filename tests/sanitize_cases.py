@@ -5,7 +5,9 @@ the decode, Marlin and prefill kernels, for compute-sanitizer
 (benchmarks/gpu_run.sh, stage sanitize).
 ``python sanitize_cases.py zeros`` (or ``act-order``, ``fusion``, ``chain``) runs
 those cases alone; ``fusion 16`` the fused cases at m <= 16, ``chain 1`` the
-chain cases from the second on. racecheck: ``--racecheck-report hazard``.
+chain cases from the second on. ``random`` (not part of ``all``) runs the
+seeded random combinations of tests/test_combinations.py (any k, n and m up to
+40, every feature at once). racecheck: ``--racecheck-report hazard``.
 
 Outputs are poisoned with NaN before each run, so a non-finite result marks an
 element the kernel did not write; the script exits 1 if any case has one.
@@ -203,6 +205,22 @@ if mode in ("all", "chain"):
     chain_total, chain_bad = chain_cases(int(sys.argv[2]) if mode == "chain" and len(sys.argv) > 2
                                          else 0)
     total, bad = total + chain_total, bad + chain_bad
+if mode == "random":
+    import test_combinations  # beside this file
+
+    for seed in range(test_combinations.CASES):
+        case = test_combinations.draw(seed)
+        w, x, kwargs, _ = test_combinations.inputs(seed, case)
+        arrays = {k: v for k, v in kwargs.items() if k in ("bias", "residual", "rms_norm_weight")}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
+        y = jax.block_until_ready(jax.jit(
+            lambda x, w, a: _matmul(x, w, poison_output=True, **a, **static))(x, w, arrays))
+        label = " ".join(f"{k}={v}" for k, v in case.items())
+        if y.size:
+            bad += not finite(y, label)
+        else:
+            print(f"{label}: empty output", flush=True)
+        total += 1
 cases = [(kind, case) for kind, kind_cases in KINDS.items() if mode in ("all", kind)
          for case in kind_cases]
 for kind, (k, n, group_size, dtype, with_bias, ms) in cases:
