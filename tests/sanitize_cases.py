@@ -209,12 +209,7 @@ if mode == "random":
     import test_combinations  # beside this file
 
     for seed in range(test_combinations.CASES):
-        case = test_combinations.draw(seed)
-        w, x, kwargs, _ = test_combinations.inputs(seed, case)
-        arrays = {k: v for k, v in kwargs.items() if k in ("bias", "residual", "rms_norm_weight")}
-        static = {k: v for k, v in kwargs.items() if k not in arrays}
-        y = jax.block_until_ready(jax.jit(
-            lambda x, w, a: _matmul(x, w, poison_output=True, **a, **static))(x, w, arrays))
+        case, y, _ = test_combinations.call(seed)
         label = " ".join(f"{k}={v}" for k, v in case.items())
         if y.size:
             bad += not finite(y, label)

@@ -86,12 +86,18 @@ def inputs(seed: int, case: dict):
     return w, x, kwargs, ref
 
 
-def run(seed: int):
+def call(seed: int):
+    """``(case, y, ref)``: the drawn case run jitted, its output buffer starting as NaN."""
     case = draw(seed)
     w, x, kwargs, ref = inputs(seed, case)
     arrays = {key: v for key, v in kwargs.items() if key in ("bias", "residual", "rms_norm_weight")}
     static = {key: v for key, v in kwargs.items() if key not in arrays}
     y = jax.jit(lambda x, w, a: _matmul(x, w, poison_output=True, **a, **static))(x, w, arrays)
+    return case, jax.block_until_ready(y), ref
+
+
+def run(seed: int):
+    case, y, ref = call(seed)
     assert y.shape == case["lead"] + (case["n"],) and y.dtype == case["dtype"], case
     y = np.asarray(y, np.float64)
     assert np.isfinite(y).all(), f"NaN/inf left in the output: {case}"
