@@ -108,6 +108,13 @@ SMALL_LAYERS = {
     "135m.down": (1536, 576),
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def known_layers() -> dict[str, tuple[int, int]]:
+    """Every layer --layers may name: {name: (k, n)}."""
+    return {**LAYERS, **SMALL_LAYERS}
+
+
 FULL_MS = MS + [2048, 4096]  # --impls full without --ms
 QUICK_LAYERS = ["70b.qkv", "70b.gate_up", "70b.down"]
 QUICK_MS = [1, 16, 64]
@@ -285,7 +292,7 @@ def _rel_err(x, w):
 def bench_layer(name: str, ms: list[int], variants: list[str], records: list[dict], log,
                 inner: int = 1, outputs: str = "list", save=lambda: None) -> None:
     """Appends a record per (m, variant) to ``records``; ``save()`` after each m."""
-    k, n = {**LAYERS, **SMALL_LAYERS}[name]
+    k, n = known_layers()[name]
     sets = make_weights(k, n, seed=zlib.crc32(name.encode()), variants=variants)
     for m in ms:
         x32 = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
@@ -343,9 +350,9 @@ def main(argv=None) -> int:
         print("bench_matmul needs a CUDA GPU and jax_marlin built with CUDA", file=sys.stderr)
         return 2
     layers = args.layers or (QUICK_LAYERS if args.quick else list(LAYERS))
-    unknown = [name for name in layers if name not in {**LAYERS, **SMALL_LAYERS}]
+    unknown = [name for name in layers if name not in known_layers()]
     if unknown:
-        parser.error(f"unknown layers {unknown}: choose from {list(LAYERS) + list(SMALL_LAYERS)}")
+        parser.error(f"unknown layers {unknown}: choose from {list(known_layers())}")
     variants = expand(args.impls)
     ms = args.ms or (QUICK_MS if args.quick else FULL_MS if "full" in args.impls else MS)
     # The scored runs (the targets' sweep, and the imported layouts against
@@ -366,18 +373,17 @@ def main(argv=None) -> int:
     if args.append and args.out and os.path.exists(args.out):
         with open(args.out) as f:
             earlier = json.load(f)
-        if earlier["gpu"] != result["gpu"] or earlier["jax"] != result["jax"]:
-            print(f"--append: {args.out} was measured on {earlier['gpu']} with jax "
-                  f"{earlier['jax']}, this run is on {result['gpu']} with jax {result['jax']}; "
-                  "one results file holds one GPU model's rows", file=sys.stderr)
-            return 2
-        mismatch = {key: (earlier["method"].get(key), result["method"][key])
-                    for key in ("rotate", "calls", "repeats", "inner", "outputs")
-                    if earlier["method"].get(key) != result["method"][key]}
+        # One results file holds one GPU model's and jax version's rows, measured one way.
+        def how(r):
+            return {"gpu": r["gpu"], "jax": r["jax"],
+                    **{key: r["method"].get(key)
+                       for key in ("rotate", "calls", "repeats", "inner", "outputs")}}
+        then, now = how(earlier), how(result)
+        mismatch = {key: (then[key], now[key]) for key in now if then[key] != now[key]}
         if mismatch:
-            print(f"--append: {args.out} was measured another way ("
+            print(f"--append: {args.out} was measured on another card, jax or method ("
                   + ", ".join(f"{key} {a} there, {b} here" for key, (a, b) in mismatch.items())
-                  + "); one results file holds one method's rows", file=sys.stderr)
+                  + "); one results file holds one run's kind of rows", file=sys.stderr)
             return 2
         kept = earlier["records"]
     measured = {(name, m, v) for name in layers for m in ms for v in variants}

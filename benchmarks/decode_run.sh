@@ -260,6 +260,18 @@ prefill_case_us() {
     awk '/^(fp16|bf16) / && !seen {print $5, $6 (/CHECK FAILED/ ? "x" : ""); seen = 1}'
 }
 
+# bench_matmul.py ARGS within TIMEOUT seconds into $OUT/NAME.json (rewritten
+# after every m) and NAME.log, then the targets' scorecard of what it measured:
+# stages full and jzp.
+scored_matmul() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/bench_matmul.py "$@" --out "$OUT/$name.json" \
+    > "$OUT/$name.log" 2>&1
+  echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/$name.log") rows"
+  [ -f "$OUT/$name.json" ] && python3 benchmarks/targets.py "$OUT/$name.json"
+}
+
 # decode_bench with the decode kernel compiled with -lineinfo, for stage dsrc.
 dsrc_build() {
   compile_decode_objects "$OUT/dsrc-build.log" -lineinfo
@@ -557,11 +569,8 @@ if has full; then
   # under the GPU machine's 600) loses at most the m it stops in.
   step "full: the targets' sweep (${FULL_LAYERS:-every layer})"
   [ -n "${FULL_RESUME:-}" ] && cp "$FULL_RESUME" "$OUT/full.json"
-  timeout "${FULL_TIMEOUT:-420}" python3 benchmarks/bench_matmul.py --impls full \
-    ${FULL_LAYERS:+--layers $FULL_LAYERS} ${FULL_MS:+--ms $FULL_MS} --out "$OUT/full.json" \
-    --append > "$OUT/full.log" 2>&1
-  echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/full.log") rows"
-  [ -f "$OUT/full.json" ] && python3 benchmarks/targets.py "$OUT/full.json"
+  scored_matmul full "${FULL_TIMEOUT:-420}" --impls full ${FULL_LAYERS:+--layers $FULL_LAYERS} \
+    ${FULL_MS:+--ms $FULL_MS} --append
 fi
 
 if has jzp; then
@@ -571,10 +580,8 @@ if has jzp; then
   # JZP_LAYERS (default every layer), within JZP_TIMEOUT seconds (default 420);
   # the JSON is rewritten after every m.
   step "jzp: zero points and act-order through jm.matmul (${JZP_LAYERS:-every layer})"
-  timeout "${JZP_TIMEOUT:-420}" python3 benchmarks/bench_matmul.py --impls zp --ms 1 16 64 256 \
-    ${JZP_LAYERS:+--layers $JZP_LAYERS} --out "$OUT/zp.json" > "$OUT/zp.log" 2>&1
-  echo "bench_matmul: exit $?, $(grep -c ' us ' "$OUT/zp.log") rows"
-  [ -f "$OUT/zp.json" ] && python3 benchmarks/targets.py "$OUT/zp.json"
+  scored_matmul zp "${JZP_TIMEOUT:-420}" --impls zp --ms 1 16 64 256 \
+    ${JZP_LAYERS:+--layers $JZP_LAYERS}
 fi
 
 if has lab; then

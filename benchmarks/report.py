@@ -93,14 +93,6 @@ def limit_tbps(result) -> float:
     return max(result["copy_tbps"], COPY_ANCHOR_TBPS.get(result["gpu"], 0.0))
 
 
-def products_form(method: dict) -> str:
-    """How a run's matmul products left the jitted call, in words for the tables' headers."""
-    if method.get("outputs", "list") == "sum":
-        return ("each call's products summed inside it, so that they are temporaries as in a "
-                "model (each row includes reading its product once)")
-    return "each product a result of the call"
-
-
 def markdown(result) -> str:
     table = index(result["records"])
     copy = limit_tbps(result)
@@ -113,7 +105,7 @@ def markdown(result) -> str:
         "the larger of that and the baseline's copy kernel on this GPU. "
         "Times are device microseconds per matmul (median of "
         f"{result['method']['repeats']}, spread in the JSON; {result['method']['rotate']} weight "
-        f"sets rotated so weights come from HBM; {products_form(result['method'])}). "
+        f"sets rotated so weights come from HBM; {targets.products_form(result['method'])}). "
         "*floor*: int4 g128 bytes at the limit. "
         "*% limit*: jax_marlin g128's effective bandwidth over the limit. *vs*: speedup of "
         "jax_marlin g128 over the peer. *rel err*: jax_marlin g128 against the float32 reference.",
@@ -401,7 +393,7 @@ def readme_table(result, results_path: pathlib.Path, readme_path: pathlib.Path) 
            else "")
         + (f"; kernel: {result['kernel']}" if "kernel" in result else "") + ". "
         f"Device µs per matmul, weights streamed from HBM ({method['rotate']} weight sets "
-        f"rotated; {products_form(method)}), median of {method['repeats']} "
+        f"rotated; {targets.products_form(method)}), median of {method['repeats']} "
         "(`benchmarks/bench_matmul.py`; every m, "
         f"spreads and errors in [`{rel(md)}`]({rel(md)}), notes in "
         f"[`benchmarks/NOTES.md`]({rel(readme_path.parent / 'benchmarks' / 'NOTES.md')})). "

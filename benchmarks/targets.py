@@ -118,6 +118,14 @@ TARGETS = [
 ]
 
 
+def products_form(method: dict) -> str:
+    """How a run's matmul products left the jitted call, in words for the tables' headers."""
+    if method.get("outputs", "list") == "sum":
+        return ("each call's products summed inside it, so that they are temporaries as in a "
+                "model (each row includes reading its product once)")
+    return "each product a result of the call"
+
+
 def _fmt(value: float, unit: str) -> str:
     if unit == "x":
         return f"{value:.2f}x"
@@ -168,10 +176,8 @@ def markdown(result: dict, table: dict) -> list[str]:
         return []
     out = ["## Targets", "",
            f"Each target against this run's rows ({result['gpu']}, copy bandwidth "
-           f"{result['copy_tbps']:.2f} TB/s; products "
-           + ("summed inside each call, as temporaries"
-              if result.get("method", {}).get("outputs") == "sum" else "returned from each call")
-           + "); *met*: rows that reach it; *worst*: the row "
+           f"{result['copy_tbps']:.2f} TB/s; {products_form(result.get('method', {}))}); "
+           "*met*: rows that reach it; *worst*: the row "
            "furthest from it (or, where all meet it, nearest to failing).", "",
            "| target | variant | met | median | worst row | |",
            "|---|---|---|---|---|---|"]

@@ -121,3 +121,19 @@ def imported_weight(rng, k, n, group_size, *, zeros=True, act_order=True, dtype=
                 g_idx=g_idx if act_order else None)
     weight = (q - z[g_idx]).astype(np.float64) * np.asarray(scales, np.float64)[g_idx]
     return w, weight
+
+
+def prologue64(x, norm_weight=None, swiglu=False, eps=1e-5) -> np.ndarray:
+    """The fusions' x' (RMSNorm of x, or silu(gate) up of x = [gate | up]) computed in
+    float64 and rounded to x's dtype, as float64; x itself without either."""
+    x64 = np.asarray(x, np.float64)
+    if norm_weight is not None:
+        r = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+        x64 = x64 * r * np.asarray(norm_weight, np.float64)
+    elif swiglu:
+        k = x64.shape[-1] // 2
+        gate, up = x64[..., :k], x64[..., k:]
+        x64 = gate / (1 + np.exp(-gate)) * up
+    else:
+        return x64
+    return x64.astype(x.dtype).astype(np.float64)

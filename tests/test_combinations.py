@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BF16_U, FP16_U
+from conftest import BF16_U, FP16_U, imported_weight, prologue64
 
-import jax_marlin as jm
 from jax_marlin.ops import _matmul
 
 EPS = 1e-5
@@ -46,36 +45,22 @@ def draw(seed: int) -> dict:
 
 
 def inputs(seed: int, case: dict):
-    """``(w, x, kwargs, ref)`` for a drawn case; ``ref`` in float64 from the integers."""
+    """``(w, x, kwargs, ref)`` for a drawn case; ``ref`` in float64 from the integers
+    (conftest.imported_weight)."""
     rng = np.random.default_rng(seed + 1000)
-    k, n, g, dtype = case["k"], case["n"], case["group_size"], case["dtype"]
-    rows = k if g == -1 else g
-    groups = -(-k // rows)
-    q = rng.integers(0, 16, (k, n))
-    scales = (rng.uniform(0.5, 2.0, (groups, n)) / 16).astype(dtype)
-    z = rng.integers(0, 16, (groups, n)) if case["zeros"] else np.full((groups, n), 8)
-    g_idx = np.arange(k) // rows
-    if case["act_order"]:
-        g_idx = np.empty(k, np.int64)
-        g_idx[rng.permutation(k)] = np.arange(k) // rows
-    w = jm.pack(q, scales, g, zeros=z if case["zeros"] else None,
-                g_idx=g_idx if case["act_order"] else None)
-    weight = (q - z[g_idx]).astype(np.float64) * np.asarray(scales, np.float64)[g_idx]
-
+    k, n, dtype = case["k"], case["n"], case["dtype"]
+    w, weight = imported_weight(rng, k, n, case["group_size"], zeros=case["zeros"],
+                                act_order=case["act_order"], dtype=dtype)
     lead, swiglu = case["lead"], case["fusion"] == "swiglu"
     x = (rng.standard_normal(lead + ((2 if swiglu else 1) * k,)) * 2).astype(dtype)
     kwargs = {}
-    x64 = np.asarray(x, np.float64)
     if case["fusion"] == "rms_norm":
         kwargs["rms_norm_weight"] = rng.uniform(0.5, 2.0, k).astype(dtype)
         kwargs["rms_norm_eps"] = EPS
-        r = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
-        x64 = (x64 * r * np.asarray(kwargs["rms_norm_weight"], np.float64)).astype(dtype)
     elif swiglu:
         kwargs["swiglu"] = True
-        gate, up = x64[..., :k], x64[..., k:]
-        x64 = (gate / (1 + np.exp(-gate)) * up).astype(dtype)
-    ref = np.asarray(x64, np.float64) @ weight
+    x64 = prologue64(x, kwargs.get("rms_norm_weight"), swiglu, eps=EPS)
+    ref = x64 @ weight
     size = ref.std() if ref.size else 1.0
     if case["bias"]:
         kwargs["bias"] = (rng.standard_normal(n) * size).astype(dtype)

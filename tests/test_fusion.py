@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_marlin as jm
-from conftest import BF16_U, FP16_U, imported_weight, random_weight, rel_err
+from conftest import BF16_U, FP16_U, imported_weight, prologue64, random_weight, rel_err
 from jax_marlin import shapes
 from jax_marlin.ops import _matmul
 
@@ -61,21 +61,7 @@ FUSIONS = {
 
 
 # --- the contract, stated independently of jax_marlin.fusion --------------------------
-
-
-def prologue64(x, norm_weight=None, swiglu=False, eps=EPS) -> np.ndarray:
-    """The contract's x' computed in float64 and rounded to x's dtype, as float64."""
-    x64 = np.asarray(x, np.float64)
-    if norm_weight is not None:
-        r = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-        x64 = x64 * r * np.asarray(norm_weight, np.float64)
-    elif swiglu:
-        k = x64.shape[-1] // 2
-        gate, up = x64[..., :k], x64[..., k:]
-        x64 = gate / (1 + np.exp(-gate)) * up
-    else:
-        return x64
-    return x64.astype(x.dtype).astype(np.float64)
+# (in float64: conftest.prologue64, which tests/test_combinations.py shares)
 
 
 def prologue32(x, norm_weight=None, swiglu=False, eps=EPS):
@@ -121,7 +107,7 @@ def make_case(rng, w, lead, dtype, *, norm=False, swiglu=False, bias=False, resi
         kwargs["rms_norm_eps"] = EPS
     if swiglu:
         kwargs["swiglu"] = True
-    x64 = prologue64(x, kwargs.get("rms_norm_weight"), swiglu)
+    x64 = prologue64(x, kwargs.get("rms_norm_weight"), swiglu, eps=EPS)
     ref = x64 @ (dense64(w) if weight64 is None else weight64)
     size = ref.std()
     if bias:
